@@ -1,0 +1,404 @@
+"""The codec contract, the wire payload and the codec registry.
+
+A codec turns a gradient array into a :class:`Payload` and back. It never communicates:
+it declares what the synchronization engine needs to plan (payload size, whether payloads
+may be summed without decoding, whether sizes vary across ranks, whether it is random) and
+the engine picks the path from those facts, never from the codec's class.
+
+Wire layout of a payload (all integers little-endian)::
+
+    offset  size      field
+    0       2         magic b"HP"
+    2       1         version (1)
+    3       1         flags (0; reserved)
+    4       2         codec id (uint16, from the registry)
+    6       1         dtype code of the original gradient (hipress.backend.DTYPE_CODES)
+    7       1         ndim of the original gradient (0..32)
+    8       8*ndim    shape (uint64 each)
+    ...     1         number of sections S (0..255)
+    ...     9*S       per section: dtype code (uint8), element count (uint64)
+    ...     0..7      zero padding to a multiple of 8 bytes
+    ...               section data, each padded with zeros to a multiple of 8 bytes
+
+Nothing is pickled; a truncated, corrupted or foreign buffer raises :class:`PayloadError`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import struct
+from typing import Any, Callable, ClassVar, Dict, Generator, List, Sequence, Tuple, Type
+
+import numpy as np
+
+from hipress.backend import CODE_DTYPES, array_module, check_gradient_dtype, dtype_code, to_host
+from hipress.errors import CodecError, PayloadError
+
+MAGIC = b"HP"
+VERSION = 1
+MAX_NDIM = 32
+_FIXED = struct.Struct("<2sBBHBB")
+_SECTION = struct.Struct("<BQ")
+
+#: (dtype, element count) of each section of a payload.
+Layout = List[Tuple[np.dtype, int]]
+#: A reduction stage of a summable codec: (array to reduce across ranks, "sum" or "max").
+Stage = Tuple[Any, str]
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def header_nbytes(ndim: int, nsections: int) -> int:
+    """Return the size in bytes of a payload header (padding included)."""
+    return _pad8(_FIXED.size + 8 * ndim + 1 + _SECTION.size * nsections)
+
+
+def layout_nbytes(ndim: int, layout: Sequence[Tuple[Any, int]]) -> int:
+    """Return the wire size in bytes of a payload with this section layout."""
+    body = sum(_pad8(np.dtype(dt).itemsize * int(count)) for dt, count in layout)
+    return header_nbytes(ndim, len(layout)) + body
+
+
+@dataclasses.dataclass(frozen=True)
+class Payload:
+    """An encoded gradient: raw typed sections plus what is needed to rebuild the array.
+
+    Attributes:
+        codec_id: registry id of the codec that made it.
+        dtype: dtype of the original gradient.
+        shape: shape of the original gradient.
+        sections: 1-D contiguous arrays (NumPy or CuPy), in the codec's documented order.
+    """
+
+    codec_id: int
+    dtype: np.dtype
+    shape: Tuple[int, ...]
+    sections: Tuple[Any, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes of :meth:`to_bytes`'s result."""
+        return layout_nbytes(len(self.shape), [(s.dtype, s.size) for s in self.sections])
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the original gradient."""
+        return math.prod(self.shape)
+
+    def to_bytes(self) -> bytes:
+        """Serialize to the documented wire layout (device sections are copied to host)."""
+        return self.to_buffer().tobytes()
+
+    def to_buffer(self) -> np.ndarray:
+        """Serialize into a new uint8 NumPy array holding the wire layout."""
+        out = np.zeros(self.nbytes, dtype=np.uint8)
+        head = [_FIXED.pack(MAGIC, VERSION, 0, self.codec_id, dtype_code(self.dtype),
+                            len(self.shape))]
+        head += [struct.pack("<Q", d) for d in self.shape]
+        head.append(struct.pack("<B", len(self.sections)))
+        head += [_SECTION.pack(dtype_code(s.dtype), s.size) for s in self.sections]
+        raw = b"".join(head)
+        out[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        pos = header_nbytes(len(self.shape), len(self.sections))
+        for s in self.sections:
+            n = s.dtype.itemsize * s.size
+            out[pos : pos + n] = to_host(s).reshape(-1).view(np.uint8)
+            pos += _pad8(n)
+        return out
+
+    @classmethod
+    def from_bytes(cls, buf: Any, xp: Any = np) -> "Payload":
+        """Parse a wire buffer (bytes, bytearray, memoryview or uint8 array).
+
+        Args:
+            buf: the serialized payload; it is not copied on the CPU (sections are views).
+            xp: ``numpy`` (default) or ``cupy``: where the sections should live.
+
+        Raises:
+            PayloadError: the buffer is truncated, too long, has a wrong magic, version,
+                dtype code or shape, or declares sections that do not fit.
+        """
+        mv = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
+        if mv.dtype != np.uint8 or mv.ndim != 1:
+            raise PayloadError("expect a 1-D uint8 buffer holding a serialized payload")
+        n = mv.size
+        if n < _FIXED.size:
+            raise PayloadError(f"payload truncated: {n} bytes, the fixed header alone is 8")
+        magic, version, _flags, codec_id, dcode, ndim = _FIXED.unpack_from(mv, 0)
+        if magic != MAGIC:
+            raise PayloadError(f"not a HiPress payload: magic {magic!r}, expect {MAGIC!r}")
+        if version != VERSION:
+            raise PayloadError(
+                f"payload version {version} is not supported by this HiPress (expect "
+                f"{VERSION}); run the same HiPress version on every rank"
+            )
+        if dcode not in CODE_DTYPES:
+            raise PayloadError(f"payload names unknown dtype code {dcode}")
+        if ndim > MAX_NDIM:
+            raise PayloadError(f"payload declares ndim {ndim} > {MAX_NDIM}")
+        pos = _FIXED.size
+        if n < pos + 8 * ndim + 1:
+            raise PayloadError("payload truncated inside its shape")
+        shape = struct.unpack_from(f"<{ndim}Q", mv, pos)
+        pos += 8 * ndim
+        if any(d > 2**48 for d in shape):
+            raise PayloadError(f"payload declares an impossible shape {shape}")
+        (nsec,) = struct.unpack_from("<B", mv, pos)
+        pos += 1
+        if n < pos + _SECTION.size * nsec:
+            raise PayloadError("payload truncated inside its section table")
+        specs = []
+        for i in range(nsec):
+            scode, count = _SECTION.unpack_from(mv, pos + i * _SECTION.size)
+            if scode not in CODE_DTYPES:
+                raise PayloadError(f"payload section {i} names unknown dtype code {scode}")
+            specs.append((CODE_DTYPES[scode], count))
+        pos = header_nbytes(ndim, nsec)
+        expected = pos + sum(_pad8(dt.itemsize * c) for dt, c in specs)
+        if expected != n:
+            raise PayloadError(
+                f"payload is {n} bytes but its header declares {expected}: truncated or "
+                "corrupted in transit"
+            )
+        sections = []
+        for dt, count in specs:
+            nb = dt.itemsize * count
+            sec = mv[pos : pos + nb].view(dt)
+            sections.append(sec if xp is np else xp.asarray(sec))
+            pos += _pad8(nb)
+        return cls(codec_id, CODE_DTYPES[dcode], tuple(int(d) for d in shape), tuple(sections))
+
+
+class Codec(abc.ABC):
+    """Base class of gradient compression codecs.
+
+    Subclasses implement :meth:`_encode`, :meth:`_decode` and :meth:`payload_layout`, and
+    set the capability flags. :meth:`encode` and :meth:`decode` validate input, handle
+    0-element arrays, and check payload identity, so subclasses see only non-empty arrays
+    of a gradient dtype and payloads of their own codec.
+
+    Capability flags (class attributes; the engine plans from these):
+        summable: payloads of different ranks can be reduced without decoding, through
+            :meth:`reduce_stages` (fp16, TernGrad with a shared scale, PowerSGD P/Q,
+            random-k with a shared seed).
+        variable_size: payload size depends on the data, so it differs across ranks
+            (DGC, GradDrop); the engine must exchange sizes (gather path).
+        stochastic: encoding draws random numbers, from a generator seeded by ``seed``,
+            the gradient name and a per-name step counter (identical across ranks when
+            ``seed`` is).
+        lossless: decode(encode(x)) == x exactly.
+        error_feedback: the codec is biased and should run with residual error feedback
+            (the engine's default memory for it is ``"residual"``).
+    """
+
+    name: ClassVar[str] = ""
+    codec_id: ClassVar[int] = 0
+    summable: ClassVar[bool] = False
+    variable_size: ClassVar[bool] = False
+    stochastic: ClassVar[bool] = False
+    lossless: ClassVar[bool] = False
+    error_feedback: ClassVar[bool] = False
+
+    # ----------------------------------------------------------------- public API
+    def encode(self, x: Any, name: str = "") -> Payload:
+        """Encode a gradient.
+
+        Args:
+            x: NumPy or CuPy array of float16, bfloat16, float32 or float64, any shape.
+            name: the gradient's stable name; it keys random streams and per-gradient state.
+
+        Returns:
+            The payload; ``x`` is not modified.
+
+        Raises:
+            TypeError: ``x`` is not of a floating gradient dtype.
+            NonFiniteGradientError: ``x`` holds NaN/Inf and the codec computes a scale.
+        """
+        dt = check_gradient_dtype(x.dtype, f"gradient {name!r}" if name else "gradient")
+        shape = tuple(int(d) for d in x.shape)
+        if x.size == 0:
+            return Payload(self.codec_id, dt, shape, ())
+        xp = array_module(x)
+        flat = xp.ascontiguousarray(x).reshape(-1)
+        sections = self._encode(flat, shape, name)
+        return Payload(self.codec_id, dt, shape, tuple(sections))
+
+    def decode(self, payload: Payload) -> Any:
+        """Decode a payload of this codec into an array of the original shape and dtype.
+
+        Raises:
+            PayloadError: the payload belongs to another codec or its sections do not
+                match the layout this codec declares for its shape.
+        """
+        if payload.codec_id != self.codec_id:
+            raise PayloadError(
+                f"payload was made by codec id {payload.codec_id}, not by {self.name!r} "
+                f"(id {self.codec_id}); every rank must use the same codec per gradient"
+            )
+        check_gradient_dtype(payload.dtype, "payload")
+        if payload.numel == 0:
+            if payload.sections:
+                raise PayloadError("payload of a 0-element gradient must have no sections")
+            return np.zeros(payload.shape, dtype=payload.dtype)
+        self._check_sections(payload)
+        out = self._decode(payload.sections, payload.shape, payload.dtype)
+        return out.reshape(payload.shape)
+
+    def payload_layout(self, shape: Tuple[int, ...], dtype: Any) -> Layout:
+        """Return the (dtype, count) of each section for a gradient of ``shape``.
+
+        For variable-size codecs this is the largest payload the codec can produce.
+        """
+        if math.prod(shape) == 0:
+            return []
+        return self._layout(tuple(shape), np.dtype(dtype))
+
+    def payload_nbytes(self, shape: Any, dtype: Any = np.float32) -> int:
+        """Return the wire size in bytes of the payload for a gradient of ``shape``.
+
+        Args:
+            shape: a shape tuple, or an int n meaning the 1-D shape (n,).
+            dtype: the gradient dtype.
+
+        Exact for fixed-size codecs; an upper bound when ``variable_size`` is True.
+        """
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        return layout_nbytes(len(shape), self.payload_layout(shape, dtype))
+
+    def compression_ratio(self, shape: Any, dtype: Any = np.float32) -> float:
+        """Return original bytes / payload bytes (≥ 1 means the wire gets smaller)."""
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(shape)
+        raw = math.prod(shape) * np.dtype(dtype).itemsize
+        return raw / self.payload_nbytes(shape, dtype)
+
+    def reduce_stages(
+        self, x: Any, name: str, world_size: int, prescale: float = 1.0
+    ) -> Generator[Stage, Any, Any]:
+        """Describe a reduction across ranks that never decodes a payload.
+
+        Only for codecs with ``summable = True``. The generator yields ``(array, op)``;
+        the engine reduces ``array`` across all ranks with ``op`` ("sum" or "max") and
+        sends the result back in; when the generator returns, its value is this rank's
+        (lossy) estimate of ``sum(prescale * x)`` over ranks, with ``x``'s shape and dtype.
+        The codec never communicates.
+
+        Raises:
+            CodecError: the codec is not summable.
+        """
+        raise CodecError(f"codec {self.name!r} is not summable; use encode/decode")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Return the codec's internal state (NumPy arrays and plain values), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore state returned by :meth:`state_dict`."""
+        if state:
+            raise CodecError(f"codec {self.name!r} has no state but got keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({params})"
+
+    def params(self) -> Dict[str, Any]:
+        """Return the constructor parameters (for logs, plans and reprs)."""
+        return {}
+
+    # ----------------------------------------------------------- subclass hooks
+    @abc.abstractmethod
+    def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
+        """Encode a non-empty contiguous 1-D array; return the payload sections."""
+
+    @abc.abstractmethod
+    def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
+        """Decode sections into a 1-D array of ``dtype`` with prod(shape) elements."""
+
+    @abc.abstractmethod
+    def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
+        """Return the section layout for a non-empty gradient of ``shape``."""
+
+    def _check_sections(self, payload: Payload) -> None:
+        """Check the payload's sections against the declared layout (dtypes and counts)."""
+        layout = self._layout(payload.shape, payload.dtype)
+        got = [(np.dtype(s.dtype), int(s.size)) for s in payload.sections]
+        ok = len(got) == len(layout) and all(
+            gd == ld and (gc <= lc if self.variable_size else gc == lc)
+            for (gd, gc), (ld, lc) in zip(got, layout)
+        )
+        if not ok:
+            raise PayloadError(
+                f"payload sections {got} do not match codec {self.name!r}'s layout {layout} "
+                f"for shape {payload.shape}"
+            )
+
+
+# --------------------------------------------------------------------------- registry
+_REGISTRY: Dict[str, Type[Codec]] = {}
+_BY_ID: Dict[int, Type[Codec]] = {}
+
+
+def register_codec(name: str, codec_id: int) -> Callable[[Type[Codec]], Type[Codec]]:
+    """Register a codec class under ``name`` with a wire id, as a class decorator.
+
+    Ids are part of the wire format: keep them stable across releases.
+
+    Raises:
+        CodecError: the name or id is taken by another class.
+    """
+
+    def deco(cls: Type[Codec]) -> Type[Codec]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise CodecError(f"codec name {name!r} is already registered by {_REGISTRY[name]}")
+        if codec_id in _BY_ID and _BY_ID[codec_id] is not cls:
+            raise CodecError(f"codec id {codec_id} is already registered by {_BY_ID[codec_id]}")
+        cls.name = name
+        cls.codec_id = codec_id
+        _REGISTRY[name] = cls
+        _BY_ID[codec_id] = cls
+        return cls
+
+    return deco
+
+
+def codec_names() -> List[str]:
+    """Return the registered codec names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def codec_class(name: str) -> Type[Codec]:
+    """Return the codec class registered under ``name``.
+
+    Raises:
+        CodecError: no such codec; the message lists the valid names.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise CodecError(
+            f"unknown codec {name!r}; valid codecs: {', '.join(codec_names())}"
+        ) from None
+
+
+def get_codec(name: Any, **params: Any) -> Codec:
+    """Build a codec by name, or return ``name`` itself if it is already a Codec.
+
+    Args:
+        name: registered name (see :func:`codec_names`) or a :class:`Codec` instance.
+        **params: constructor parameters of that codec.
+
+    Raises:
+        CodecError: unknown name (the valid names are listed) or bad parameters.
+    """
+    if isinstance(name, Codec):
+        if params:
+            raise CodecError("parameters cannot be given together with a codec instance")
+        return name
+    cls = codec_class(name)
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise CodecError(f"bad parameters for codec {name!r}: {exc}") from None

@@ -1,0 +1,39 @@
+"""Exception hierarchy of HiPress.
+
+Every error HiPress raises on purpose derives from :class:`HiPressError`, so callers can
+catch ours apart from bugs. Subclasses also derive from the matching built-in (a bad
+payload is a :class:`ValueError`), so generic handlers keep working.
+"""
+
+
+class HiPressError(Exception):
+    """Base class of every error HiPress raises on purpose."""
+
+
+class ConfigError(HiPressError, ValueError):
+    """A configuration value or file is invalid; the message names the key and the fix."""
+
+
+class CodecError(HiPressError, ValueError):
+    """A codec was asked for something it cannot do (bad parameter, unsupported dtype)."""
+
+
+class PayloadError(HiPressError, ValueError):
+    """A payload is truncated, corrupted, or belongs to another codec, dtype or version."""
+
+
+class NonFiniteGradientError(HiPressError, ValueError):
+    """A gradient holds NaN or Inf and the codec's policy is to refuse it.
+
+    Lossy codecs compute a scale or a threshold from the gradient; with NaN/Inf inside it
+    every decoded element would be garbage, so they raise this error naming the gradient
+    instead. Casting codecs (identity, fp16, bf16) propagate NaN/Inf faithfully.
+    """
+
+
+class SyncError(HiPressError, RuntimeError):
+    """Synchronization failed: a stalled gradient, a dead rank, or mismatched submissions."""
+
+
+class StallError(SyncError):
+    """A gradient was submitted on some ranks but not on others for longer than the timeout."""

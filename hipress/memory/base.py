@@ -1,0 +1,178 @@
+"""Memory contract, the residual memory and the memory registry.
+
+The step with error feedback, for a gradient ``g`` named ``name`` (Seide et al. 2014;
+Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019)::
+
+    c = memory.compensate(name, g)        # 1. c = g + e   (e starts at 0; float32)
+    p = codec.encode(c, name)             # 2. compress the compensated gradient
+    memory.update(name, c, codec.decode(p))   # 3. e = c - decode(p)
+
+so over T steps sum(decoded) = sum(g) - e_T: the running sum of what is sent tracks the
+running sum of the gradients, off by one bounded residual.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Dict, List, Type
+
+import numpy as np
+
+from hipress.backend import array_module, compute_dtype, to_host
+from hipress.errors import CodecError
+
+
+class Memory:
+    """Base memory: per-gradient float32 state, checkpointable; subclasses add the maths."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self._state: Dict[str, Any] = {}
+
+    def compensate(self, name: str, grad: Any) -> Any:
+        """Return the array to encode for ``grad`` (never modifies ``grad``)."""
+        return grad
+
+    def update(self, name: str, compensated: Any, decoded: Any) -> None:
+        """Record what the codec left out of ``compensated``."""
+
+    def reset(self, name: str = "") -> None:
+        """Forget the state of one gradient, or of all when ``name`` is empty."""
+        if name:
+            self._state.pop(name, None)
+        else:
+            self._state.clear()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._state
+
+    def get(self, name: str) -> Any:
+        """Return the stored state array of ``name`` (None if it has none yet)."""
+        return self._state.get(name)
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """Return {gradient name: float32 NumPy copy of its state}."""
+        return {k: np.array(to_host(v), copy=True) for k, v in self._state.items()}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Replace the state with ``state`` (arrays are copied, kept in float32 or float64)."""
+        self._state = {}
+        for k, v in state.items():
+            a = np.array(v, copy=True)
+            if a.dtype.kind != "f":
+                raise CodecError(f"memory state of {k!r} has dtype {a.dtype}; expect float")
+            self._state[k] = a
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"state": self.state_dict(), "params": self.params()}
+
+    def __setstate__(self, d: Dict[str, Any]) -> None:
+        self.__init__(**d["params"])
+        self.load_state_dict(d["state"])
+
+    def params(self) -> Dict[str, Any]:
+        """Return the constructor parameters."""
+        return {}
+
+    def _buffer(self, name: str, like: Any) -> Any:
+        """Return the state of ``name``, created as zeros shaped like ``like`` if missing.
+
+        State from a checkpoint (NumPy) moves to ``like``'s device on first use.
+        """
+        xp = array_module(like)
+        buf = self._state.get(name)
+        want = compute_dtype(like.dtype)
+        if buf is None:
+            buf = xp.zeros(like.shape, dtype=want)
+            self._state[name] = buf
+        elif array_module(buf) is not xp:
+            buf = xp.asarray(buf)
+            self._state[name] = buf
+        if buf.shape != like.shape:
+            raise CodecError(
+                f"gradient {name!r} has shape {tuple(like.shape)} but its stored residual "
+                f"has {tuple(buf.shape)}: two tensors share a name, or a checkpoint from "
+                "another model was loaded"
+            )
+        return buf
+
+
+_REGISTRY: Dict[str, Type[Memory]] = {}
+
+
+def register_memory(name: str) -> Callable[[Type[Memory]], Type[Memory]]:
+    """Register a memory class under ``name`` (class decorator)."""
+
+    def deco(cls: Type[Memory]) -> Type[Memory]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise CodecError(f"memory name {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def memory_names() -> List[str]:
+    """Return the registered memory names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_memory(name: Any, **params: Any) -> Memory:
+    """Build a memory by name (``"none"``, ``"residual"``, ...) or pass an instance through.
+
+    Raises:
+        CodecError: unknown name; the message lists the valid ones.
+    """
+    if isinstance(name, Memory):
+        return name
+    if name is None:
+        name = "none"
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise CodecError(
+            f"unknown memory {name!r}; valid memories: {', '.join(memory_names())}"
+        ) from None
+    return cls(**params)
+
+
+@register_memory("none")
+class NoMemory(Memory):
+    """No error feedback: what the codec drops is lost."""
+
+
+@register_memory("residual")
+class ResidualMemory(Memory):
+    """Residual error feedback: e <- (g + beta * e) - decode(encode(g + beta * e)).
+
+    Args:
+        beta: decay of the residual before it is added (1.0 = plain error feedback).
+    """
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        if not (0.0 <= float(beta) <= 1.0) or math.isnan(float(beta)):
+            raise CodecError(f"residual beta must be in [0, 1], got {beta!r}")
+        self.beta = float(beta)
+
+    def params(self) -> Dict[str, Any]:
+        """Return the constructor parameters."""
+        return {"beta": self.beta}
+
+    def compensate(self, name: str, grad: Any) -> Any:
+        """Return g + beta * e in float32 (float64 for float64 gradients)."""
+        e = self._buffer(name, grad)
+        out = grad.astype(e.dtype, copy=True)
+        if self.beta == 1.0:
+            out += e
+        else:
+            out += e * e.dtype.type(self.beta)
+        return out
+
+    def update(self, name: str, compensated: Any, decoded: Any) -> None:
+        """Store e = compensated - decoded, in place."""
+        e = self._buffer(name, compensated)
+        xp = array_module(e)
+        xp.subtract(compensated, decoded.astype(e.dtype, copy=False).reshape(e.shape), out=e)
