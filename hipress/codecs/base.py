@@ -281,10 +281,17 @@ class Codec(abc.ABC):
         """Describe a reduction across ranks that never decodes a payload.
 
         Only for codecs with ``summable = True``. The generator yields ``(array, op)``;
-        the engine reduces ``array`` across all ranks with ``op`` ("sum" or "max") and
-        sends the result back in; when the generator returns, its value is this rank's
-        (lossy) estimate of ``sum(prescale * x)`` over ranks, with ``x``'s shape and dtype.
-        The codec never communicates.
+        the engine reduces ``array`` across all ranks with ``op`` ("sum" or "max"; the
+        result is bit-identical on every rank) and sends the result back in. When the
+        generator returns, its value is ``(result, feedback)``:
+
+        - ``result``: the estimate of ``sum(prescale * x)`` over ranks, with ``x``'s shape
+          and dtype, identical on every rank;
+        - ``feedback``: what error feedback should treat as this rank's decoded
+          contribution (``memory.update(name, x, feedback)``), or None when the codec is
+          unbiased or lossless and needs no error feedback.
+
+        The codec never communicates. ``x`` is 1-D or any shape; it is not modified.
 
         Raises:
             CodecError: the codec is not summable.

@@ -44,7 +44,7 @@ class _CastCodec(Codec):
         """
         scaled = x.astype(np.float32) * np.float32(prescale) if prescale != 1.0 else x
         total = yield (scaled.astype(self.wire_dtype), "sum")
-        return total.astype(x.dtype)
+        return total.astype(x.dtype), None
 
 
 @register_codec("fp16", codec_id=2)

@@ -35,4 +35,4 @@ class IdentityCodec(Codec):
         total = yield (x, "sum")
         if prescale != 1.0:
             total = (total * prescale).astype(x.dtype, copy=False)
-        return total
+        return total, None
