@@ -6,3 +6,47 @@ framework adapters are ``hipress.torch``, ``hipress.tensorflow`` and ``hipress.m
 """
 
 __version__ = "0.1.0"
+
+from hipress.api import (  # noqa: E402
+    allreduce,
+    allreduce_async,
+    barrier,
+    broadcast,
+    broadcast_object,
+    init,
+    is_initialized,
+    load_state_dict,
+    local_rank,
+    local_size,
+    poll,
+    rank,
+    shutdown,
+    size,
+    state_dict,
+    stats,
+    step,
+    synchronize,
+)
+from hipress.engine import Handle  # noqa: E402
+
+__all__ = [
+    "Handle",
+    "allreduce",
+    "allreduce_async",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "init",
+    "is_initialized",
+    "load_state_dict",
+    "local_rank",
+    "local_size",
+    "poll",
+    "rank",
+    "shutdown",
+    "size",
+    "state_dict",
+    "stats",
+    "step",
+    "synchronize",
+]

@@ -1,0 +1,245 @@
+"""The framework-neutral public API, Horovod-style: ``import hipress as hp``.
+
+>>> import hipress as hp
+>>> hp.init()                                   # config from HIPRESS_CONFIG, or defaults
+>>> g = hp.allreduce(np.ones(4, np.float32), name="fc.weight")   # average over ranks
+>>> h = hp.allreduce_async(grad, name="conv1.weight", codec="onebit")
+>>> g = hp.synchronize(h)
+
+Arrays are NumPy (CPU) or CuPy (GPU). CuPy arrays are staged through host memory for
+transport (the MPI from PyPI is not CUDA-aware); encode and decode run on the GPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import threading
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+from hipress import comm
+from hipress.engine import Engine, Handle
+from hipress.errors import HiPressError
+
+logger = logging.getLogger("hipress")
+
+_ENGINE: Optional[Engine] = None
+_LOCK = threading.Lock()
+_COUNTERS: Dict[str, int] = {}
+
+
+def init(config: Any = None, **overrides: Any) -> None:
+    """Start HiPress on this process (collective: every rank must call it).
+
+    Args:
+        config: a :class:`hipress.config.HiPressConfig`, a dict in the YAML schema, a path
+            to a YAML job file, or None for ``HIPRESS_CONFIG`` / the defaults.
+        **overrides: dotted keys that override the config, e.g.
+            ``init(**{"compression.algorithm": "onebit"})``.
+
+    Calling ``init`` again while initialized does nothing.
+
+    Raises:
+        ConfigError: the configuration is invalid (the message names the key).
+    """
+    global _ENGINE
+    from hipress.config import HiPressConfig, _set_dotted, config_from_dict, load_config
+
+    with _LOCK:
+        if _ENGINE is not None:
+            return
+        if isinstance(config, (HiPressConfig, dict)):
+            data = config.model_dump() if isinstance(config, HiPressConfig) else dict(config)
+            for key, value in overrides.items():
+                _set_dotted(data, key, value, "override")
+            cfg = config_from_dict(data)
+        else:
+            cfg = load_config(path=config, overrides=overrides or None)
+        _setup_logging(cfg.logging.level)
+        world = comm.world()
+        _ENGINE = Engine(cfg, world)
+        if world.rank == 0:
+            from hipress.config import dump_effective
+
+            logger.info("HiPress started: %d rank(s); effective config:\n%s", world.size,
+                        dump_effective(cfg))
+        atexit.register(shutdown)
+
+
+def _setup_logging(level: str) -> None:
+    log = logging.getLogger("hipress")
+    log.setLevel(level.upper() if isinstance(level, str) else level)
+    if not log.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[hipress %(levelname)s] %(message)s"))
+        log.addHandler(h)
+
+
+def shutdown() -> None:
+    """Finish outstanding work on every rank and stop HiPress (collective, idempotent)."""
+    global _ENGINE
+    with _LOCK:
+        eng, _ENGINE = _ENGINE, None
+    if eng is not None:
+        eng.shutdown()
+        comm.release()
+
+
+def is_initialized() -> bool:
+    """Return True between :func:`init` and :func:`shutdown`."""
+    return _ENGINE is not None
+
+
+def _engine() -> Engine:
+    if _ENGINE is None:
+        raise HiPressError("HiPress is not initialized: call hipress.init() first")
+    return _ENGINE
+
+
+def rank() -> int:
+    """Return this process's rank in [0, size())."""
+    return _engine().rank
+
+
+def size() -> int:
+    """Return the number of processes (world size)."""
+    return _engine().size
+
+
+def local_rank() -> int:
+    """Return this process's rank among the processes on its host (for GPU selection)."""
+    return _engine().world.local_rank
+
+
+def local_size() -> int:
+    """Return the number of processes on this host."""
+    return _engine().world.local_size
+
+
+def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = None,
+                    strategy: Optional[str] = None, contributes: bool = True) -> Handle:
+    """Start reducing ``array`` over all ranks under ``name``; return a :class:`Handle`.
+
+    Args:
+        array: NumPy or CuPy array of float16, bfloat16, float32 or float64, any shape.
+            It must not be modified until the handle completes.
+        name: stable name of the gradient, identical on every rank (ranks agree by name,
+            not by submission order); unique among outstanding operations.
+        op: "average" or "sum".
+        codec: None (the config's policy: algorithm, per-layer rules, min_compress_bytes,
+            warm-up), a codec name (:func:`hipress.codecs.codec_names`) or instance.
+        strategy: None (chosen from the codec's capabilities and ``sync.strategy``),
+            "ps", "ring", "allreduce" (compressed allreduce of a summable codec) or
+            "gather".
+        contributes: False when this rank has no gradient for ``name`` (an unused
+            parameter): pass zeros; the rank still takes part, and its error-feedback
+            residual for ``name`` is left untouched.
+
+    Returns:
+        A handle; :func:`synchronize` returns a new array of ``array``'s shape and dtype,
+        bit-identical on every rank.
+
+    Raises:
+        ValueError: bad op/strategy, or ``name`` already in flight.
+        TypeError: ``array`` is not a floating array.
+        SyncError: the engine failed earlier.
+    """
+    return _engine().submit(array, name, op=op, codec=codec, strategy=strategy,
+                            contributes=contributes)
+
+
+def allreduce(array: Any, name: str, op: str = "average", codec: Any = None,
+              strategy: Optional[str] = None, contributes: bool = True) -> Any:
+    """Reduce ``array`` over all ranks and return the result (blocking).
+
+    See :func:`allreduce_async` for the arguments.
+    """
+    return synchronize(allreduce_async(array, name, op, codec, strategy, contributes))
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous operation and return its result.
+
+    Raises:
+        SyncError: the operation failed on this rank or another (stall, dead rank,
+            mismatched submissions); the message names the gradient and ranks.
+    """
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """Return True if ``handle`` has completed (never blocks)."""
+    return handle.done()
+
+
+def broadcast(array: Any, root: int, name: str) -> Any:
+    """Return ``root``'s ``array`` on every rank (a new array of the same shape and dtype).
+
+    Raises:
+        ValueError: ``root`` is not a rank.
+    """
+    xp_arr = np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array
+    raw = _engine().broadcast(xp_arr, root, name).wait()
+    out = np.frombuffer(raw.tobytes(), dtype=array.dtype).reshape(array.shape)
+    if not isinstance(array, np.ndarray):
+        from hipress.backend import array_module
+
+        return array_module(array).asarray(out)
+    return out.copy()
+
+
+def broadcast_object(obj: Any, root: int = 0, name: str = "") -> Any:
+    """Return ``root``'s picklable ``obj`` on every rank (control data only, never gradients)."""
+    eng = _engine()
+    if not name:
+        name = _auto_name("broadcast_object")
+    data = pickle.dumps(obj) if eng.rank == root else b""
+    raw = eng.broadcast(np.frombuffer(data, dtype=np.uint8), root, name).wait()
+    return obj if eng.rank == root else pickle.loads(raw.tobytes())
+
+
+def barrier() -> None:
+    """Block until every rank has called :func:`barrier`."""
+    broadcast_object(None, 0, _auto_name("barrier"))
+
+
+def _auto_name(prefix: str) -> str:
+    n = _COUNTERS.get(prefix, 0)
+    _COUNTERS[prefix] = n + 1
+    return f"__{prefix}.{n}"
+
+
+def step() -> None:
+    """Mark the end of a training step (counts warm-up steps; adapters call it)."""
+    _engine().step()
+
+
+def state_dict() -> Dict[str, Any]:
+    """Return residuals and codec state keyed by gradient name (NumPy arrays; picklable)."""
+    return _engine().state_dict()
+
+
+def load_state_dict(state: Dict[str, Any]) -> None:
+    """Restore :func:`state_dict` output on this rank."""
+    _engine().load_state_dict(state)
+
+
+def stats() -> Dict[str, Dict[str, Any]]:
+    """Return per-gradient statistics on this rank.
+
+    Keys per gradient: numel, codec, strategy (path taken), calls, bytes_sent (bytes this
+    rank put on the wire), payload_bytes, raw_bytes, compression_ratio.
+    """
+    return _engine().stats()
+
+
+def env_rank() -> int:
+    """Return the rank the launcher assigned, before :func:`init` (0 if not launched)."""
+    for key in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0

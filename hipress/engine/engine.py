@@ -1,0 +1,548 @@
+"""The CaSync engine: negotiation by name, planning per gradient, a background thread.
+
+User threads call :meth:`Engine.submit`, which resolves the gradient's codec from the
+policy and queues it; it never touches MPI. One background thread owns MPI:
+
+1. *Negotiation* — every cycle each rank contributes the names it has newly submitted
+   (with numel, dtype, codec and op) to a non-blocking allgather on the control
+   communicator. Every rank thus sees the same table and starts a gradient once every
+   rank has submitted it, in an order all ranks derive identically (the round in which
+   it became ready, then rank 0's submission order). Submission order and hash seeds of
+   individual ranks never matter. Mismatched metadata and stalls are detected from the
+   same table, so every rank raises the same error in the same round.
+2. *Planning* — the gradient's path: uncompressed (fused with other small gradients),
+   compressed allreduce (summable codecs), gather (variable-size payloads), CaSync-PS or
+   CaSync-Ring, split into partitions (round-robin aggregators for PS).
+3. *Execution* — the task graphs of :mod:`hipress.engine.tasks`, stepped by the
+   :class:`~hipress.engine.scheduler.Scheduler` so that encoding one partition overlaps
+   the communication of another and gradients submitted during the backward pass start
+   at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import json
+import logging
+import math
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from hipress.backend import array_module, check_gradient_dtype, compute_dtype, dtype_code
+from hipress.codecs import Codec, get_codec
+from hipress.engine import tasks as T
+from hipress.engine.scheduler import Scheduler
+from hipress.errors import HiPressError, StallError, SyncError
+from hipress.memory import Memory, get_memory
+from hipress.timeline import Timeline, write_trace
+
+logger = logging.getLogger(__name__)
+
+STRATEGIES = ("ps", "ring", "allreduce", "gather")
+_SUB_BITS = 12  # tags per task: ring steps and allgather need world_size + 2
+
+
+class Handle:
+    """Completion handle of an asynchronous operation (``allreduce_async``, ``broadcast``).
+
+    Use :func:`hipress.synchronize` (or :meth:`wait`) to get the result.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+
+    def done(self) -> bool:
+        """Return True once the result (or an error) is available."""
+        return self._event.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until done and return the result.
+
+        Raises:
+            SyncError: the synchronization failed (the cause is chained), or ``timeout``
+                seconds passed.
+        """
+        if not self._event.wait(timeout):
+            raise SyncError(f"timed out after {timeout} s waiting for {self.name!r}")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: Optional[BaseException] = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+
+class _Submission:
+    __slots__ = ("name", "array", "average", "codec", "codec_key", "strategy", "contributes",
+                 "handle", "kind", "root", "seq")
+
+    def __init__(self, **kw: Any) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class Engine:
+    """Compression-aware gradient synchronization over MPI (one per process).
+
+    Args:
+        config: a :class:`hipress.config.HiPressConfig`.
+        world: the :class:`hipress.comm.World` to run in.
+    """
+
+    def __init__(self, config: Any, world: Any) -> None:
+        self.cfg = config
+        self.world = world
+        self.rank, self.size = world.rank, world.size
+        self.timeline = Timeline(bool(config.timeline), self.rank)
+        self.stats_table: Dict[str, Dict[str, Any]] = {}
+        self.env = T.TaskEnv(self.rank, self.size, self.timeline, self.stats_table)
+        self.step_count = 0
+        self._codecs: Dict[str, Codec] = {}
+        self._memories: Dict[str, Memory] = {"none": get_memory("none")}
+        self._lock = threading.Lock()
+        self._queue: Deque[_Submission] = collections.deque()
+        self._inflight: Dict[str, _Submission] = {}
+        self._seq = 0
+        self._error: Optional[BaseException] = None
+        self._shutdown = threading.Event()
+        self._wake = threading.Event()
+        # negotiation state (background thread only)
+        self._table: Dict[str, Dict[str, Any]] = {}
+        self._round = 0
+        self._task_id = 0
+        self._agg_rr = 0
+        self._pending_local: Dict[str, _Submission] = {}
+        self._outbox: List[list] = []
+        self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
+                                config.sync.stall_timeout_s)
+        self._tag_task_bits = max(4, world.tag_bits - _SUB_BITS)
+        if self.size + 2 > (1 << _SUB_BITS):
+            raise HiPressError(f"world size {self.size} exceeds {(1 << _SUB_BITS) - 2}")
+        self._thread = threading.Thread(target=self._run, name="hipress-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ user side
+    def submit(self, array: Any, name: str, op: str = "average", codec: Any = None,
+               strategy: Optional[str] = None, contributes: bool = True) -> Handle:
+        """Queue an allreduce of ``array`` under ``name``; see :func:`hipress.allreduce_async`."""
+        self._check_alive()
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"gradient name must be a non-empty string, got {name!r}")
+        if op not in ("average", "sum"):
+            raise ValueError(f"op must be 'average' or 'sum', got {op!r}")
+        if strategy is not None and strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
+        check_gradient_dtype(array.dtype, f"gradient {name!r}")
+        cobj, key = self._resolve_codec(name, array, codec)
+        sub = _Submission(name=name, array=array, average=(op == "average"), codec=cobj,
+                          codec_key=key, strategy=strategy or self.cfg.sync.strategy,
+                          contributes=bool(contributes), handle=Handle(name), kind="allreduce",
+                          root=-1, seq=0)
+        self._enqueue(sub)
+        return sub.handle
+
+    def broadcast(self, array: Any, root: int, name: str) -> Handle:
+        """Queue a broadcast of root's ``array`` (bytes on non-roots may be anything)."""
+        self._check_alive()
+        if not 0 <= root < self.size:
+            raise ValueError(f"root rank {root} is outside [0, {self.size})")
+        sub = _Submission(name=name, array=array, average=False, codec=None, codec_key="bcast",
+                          strategy="bcast", contributes=True, handle=Handle(name),
+                          kind="broadcast", root=root, seq=0)
+        self._enqueue(sub)
+        return sub.handle
+
+    def step(self) -> None:
+        """Count a finished training step (warm-up steps run uncompressed)."""
+        self.step_count += 1
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Finish in-flight work on every rank, stop the thread, write the timeline."""
+        self._shutdown.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error("HiPress engine thread did not stop within %.0f s", timeout)
+        self._sched.shutdown()
+        with self._lock:
+            left = list(self._inflight.values()) + list(self._queue)
+            self._inflight.clear()
+            self._queue.clear()
+        for sub in left:
+            sub.handle._finish(error=self._error or SyncError(
+                f"HiPress shut down before {sub.name!r} was synchronized on every rank"))
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """Return per-gradient statistics (see :func:`hipress.stats`)."""
+        out = {}
+        for name, st in self.stats_table.items():
+            d = dict(st)
+            if d.get("payload_bytes"):
+                d["compression_ratio"] = d.get("raw_bytes", 0) / d["payload_bytes"]
+            out[name] = d
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Return error-feedback memories and codec state, keyed by names (picklable)."""
+        return {
+            "step": self.step_count,
+            "memories": {k: m.state_dict() for k, m in self._memories.items() if k != "none"},
+            "codecs": {k: c.state_dict() for k, c in self._codecs.items()},
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (codecs are rebuilt from their keys)."""
+        self.step_count = int(state.get("step", 0))
+        for kind, mstate in state.get("memories", {}).items():
+            self._memory(kind).load_state_dict(mstate)
+        for key, cstate in state.get("codecs", {}).items():
+            name, params = _split_key(key)
+            codec = self._codecs.get(key) or get_codec(name, **params)
+            codec.load_state_dict(cstate)
+            self._codecs[key] = codec
+
+    # ------------------------------------------------------------------ policy
+    def _resolve_codec(self, name: str, array: Any, codec: Any) -> Tuple[Optional[Codec], str]:
+        """Pick the codec of one gradient: explicit > warm-up > min size > rule > default."""
+        comp = self.cfg.compression
+        if isinstance(codec, Codec):
+            key = _codec_key(codec.name, codec.params())
+            self._codecs.setdefault(key, codec)
+            return (None, "none") if codec.name == "none" else (codec, key)
+        if codec is not None:
+            algo, params = str(codec), dict(comp.params) if codec == comp.algorithm else {}
+        else:
+            algo, params = comp.algorithm, dict(comp.params)
+            for rule in comp.rules:
+                if fnmatch.fnmatchcase(name, rule.pattern):
+                    algo, params = rule.algorithm, dict(rule.params)
+                    break
+        if (algo == "none" or self.step_count < comp.warmup_steps
+                or array.size * array.dtype.itemsize < comp.min_compress_bytes):
+            return None, "none"
+        key = _codec_key(algo, params)
+        if key not in self._codecs:
+            codec_obj = _build_codec(algo, params)
+            if hasattr(codec_obj, "rank"):
+                codec_obj.rank = self.rank
+            self._codecs[key] = codec_obj
+        return self._codecs[key], key
+
+    def _memory(self, kind: str) -> Memory:
+        if kind not in self._memories:
+            self._memories[kind] = get_memory(kind)
+        return self._memories[kind]
+
+    def _memory_for(self, codec: Codec) -> Memory:
+        kind = self.cfg.compression.memory
+        if kind == "auto":
+            kind = "residual" if codec.error_feedback else "none"
+        return self._memory(kind)
+
+    def _path(self, sub: _Submission) -> str:
+        """Return the synchronization path of a ready submission."""
+        codec = sub.codec
+        if sub.kind == "broadcast":
+            return "broadcast"
+        if codec is None:
+            return "fused"
+        forced = sub.strategy if sub.strategy in STRATEGIES else None
+        if not codec.mergeable:
+            if not codec.summable:
+                raise HiPressError(f"codec {codec.name!r} is neither mergeable nor summable")
+            return "allreduce"
+        if codec.variable_size:
+            return "gather"
+        if forced in ("ps", "ring", "gather"):
+            return forced
+        if forced == "allreduce" or codec.summable:
+            if not codec.summable:
+                raise HiPressError(f"codec {codec.name!r} is not summable; use ps or ring")
+            return "allreduce"
+        return "ps"
+
+    def _partitions(self, nbytes: int) -> int:
+        sync = self.cfg.sync
+        if sync.partitions:
+            return int(sync.partitions)
+        return max(1, math.ceil(nbytes / sync.partition_bytes))
+
+    # ------------------------------------------------------------------ internals
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise SyncError(f"HiPress engine failed earlier: {self._error}") from self._error
+        if self._shutdown.is_set():
+            raise SyncError("HiPress is shut down; call hipress.init() first")
+
+    def _enqueue(self, sub: _Submission) -> None:
+        with self._lock:
+            if sub.name in self._inflight:
+                raise ValueError(
+                    f"gradient name {sub.name!r} is already in flight; names must be unique "
+                    "among outstanding operations (synchronize the earlier handle first)"
+                )
+            self._seq += 1
+            sub.seq = self._seq
+            self._inflight[sub.name] = sub
+            self._queue.append(sub)
+        self._wake.set()
+
+    def _complete(self, sub: _Submission, result: Any = None,
+                  error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            self._inflight.pop(sub.name, None)
+        sub.handle._finish(result, error)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - reported through every handle
+            if not isinstance(exc, HiPressError):
+                logger.exception("HiPress engine thread failed")
+                exc = SyncError(f"HiPress engine failed: {exc!r}")
+            self._error = exc
+            with self._lock:
+                left = list(self._inflight.values())
+                self._inflight.clear()
+                self._queue.clear()
+            for sub in left:
+                sub.handle._finish(error=exc)
+        finally:
+            self._write_timeline()
+
+    def _loop(self) -> None:
+        mpi = self.world.mpi
+        ctrl = self.world.ctrl
+        cycle = self.cfg.sync.cycle_time_ms / 1000.0
+        timeout = self.cfg.sync.stall_timeout_s
+        phase, req, round_start, lens, msg, last_round = 0, None, 0.0, None, b"", 0.0
+        idle_rounds = 0
+        while True:
+            progressed = self._sched.poll() if self._sched.busy else False
+            now = time.monotonic()
+            if phase == 0:
+                wait = cycle * min(1 + idle_rounds, 10)
+                if now - last_round >= wait or (self._wake.is_set() and now - last_round >= cycle):
+                    self._wake.clear()
+                    msg = self._make_message()
+                    lens = np.zeros(self.size, dtype=np.int64)
+                    req = ctrl.Iallgather(np.array([len(msg)], dtype=np.int64), lens)
+                    phase, round_start = 1, now
+            if phase == 1 and req.Test():
+                counts = lens.astype(int)
+                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
+                allbuf = np.empty(int(counts.sum()), dtype=np.uint8)
+                sendbuf = np.frombuffer(msg, dtype=np.uint8) if msg else np.empty(0, np.uint8)
+                req = ctrl.Iallgatherv(sendbuf, [allbuf, counts, displs, mpi.BYTE])
+                phase = 2
+            if phase == 2 and req.Test():
+                msgs = [json.loads(bytes(allbuf[d:d + c])) for d, c in zip(displs, counts)]
+                phase, last_round = 0, time.monotonic()
+                self._round += 1
+                with self.timeline.span("negotiate", round=self._round):
+                    started = self._process_round(msgs)
+                if all(m["bye"] for m in msgs) and not started:
+                    return
+                busy = started or self._table or self._sched.busy
+                idle_rounds = 0 if busy else idle_rounds + 1
+                progressed = True
+            if phase and now - round_start > timeout:
+                raise SyncError(
+                    f"negotiation round {self._round + 1} did not complete in {timeout:.0f} s: "
+                    "a rank died or stopped calling HiPress"
+                )
+            if not progressed:
+                if self._sched.busy:
+                    time.sleep(0.0002)
+                elif phase == 0:
+                    self._wake.wait(min(cycle * min(1 + idle_rounds, 10), 0.01))
+                else:
+                    time.sleep(0.0005)
+
+    def _make_message(self) -> bytes:
+        new = []
+        with self._lock:
+            while self._queue:
+                sub = self._queue.popleft()
+                self._pending_local[sub.name] = sub
+                new.append([sub.name, int(sub.array.size), dtype_code(sub.array.dtype),
+                            sub.codec_key, "average" if sub.average else "sum", sub.kind,
+                            sub.root, sub.strategy or ""])
+            queue_empty = not self._queue
+        bye = self._shutdown.is_set() and queue_empty and not self._sched.busy
+        msg: Dict[str, Any] = {"new": new, "bye": bye}
+        if self.rank == 0:
+            msg["stall"] = self._stalled()
+        return json.dumps(msg).encode()
+
+    def _stalled(self) -> List[list]:
+        """Rank 0: names submitted by some ranks only for longer than the stall timeout."""
+        now = time.monotonic()
+        out = []
+        for name, ent in self._table.items():
+            if now - ent["t"] > self.cfg.sync.stall_timeout_s:
+                missing = [r for r in range(self.size) if r not in ent["meta"]]
+                out.append([name, missing])
+        return out
+
+    def _process_round(self, msgs: List[Dict[str, Any]]) -> int:
+        """Merge every rank's new names into the table, start the ready ones, count them."""
+        stall = msgs[0].get("stall") or []
+        if stall:
+            lines = "; ".join(
+                f"{name!r} not submitted by rank(s) {missing} (submitted by "
+                f"{sorted(set(range(self.size)) - set(missing))})" for name, missing in stall
+            )
+            raise StallError(
+                f"stalled for more than {self.cfg.sync.stall_timeout_s:g} s: {lines}. Every rank "
+                "must synchronize the same gradient names; check for parameters that exist or "
+                "are used on some ranks only, or for rank-dependent names"
+            )
+        ready = []
+        for r, m in enumerate(msgs):
+            for i, entry in enumerate(m["new"]):
+                name = entry[0]
+                ent = self._table.setdefault(name, {"meta": {}, "t": time.monotonic(),
+                                                    "order": None})
+                ent["meta"][r] = entry[1:]
+                if r == 0:
+                    ent["order"] = (self._round, i)
+        for name, ent in list(self._table.items()):
+            if len(ent["meta"]) == self.size:
+                ready.append((ent["order"], name))
+        ready.sort()
+        started = []
+        for _, name in ready:
+            ent = self._table.pop(name)
+            metas = ent["meta"]
+            first = metas[0]
+            # broadcast: only the root knows the size; compare kind and root alone
+            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 6)
+            bad = [r for r in range(self.size) if metas[r][sl] != first[sl]]
+            if bad:
+                desc = {r: dict(zip(("numel", "dtype", "codec", "op", "kind", "root"),
+                                    metas[r][:6])) for r in [0] + bad}
+                raise SyncError(
+                    f"ranks disagree about gradient {name!r}: {desc}. Every rank must submit "
+                    "the same shape, dtype, op and compression for a name"
+                )
+            started.append(self._pending_local.pop(name))
+        if started:
+            self._start(started)
+        return len(started)
+
+    def _next_tag(self) -> int:
+        tid = self._task_id % (1 << self._tag_task_bits)
+        self._task_id += 1
+        return tid << _SUB_BITS
+
+    def _start(self, subs: List[_Submission]) -> None:
+        """Plan ready submissions (in agreed order) and start their task graphs."""
+        fused: Dict[Any, List[T.Job]] = collections.OrderedDict()
+        for sub in subs:
+            path = self._path(sub)
+            job = self._job(sub, path)
+            st = self.stats_table.setdefault(sub.name, {})
+            st["calls"] = st.get("calls", 0) + 1
+            st["numel"] = int(sub.array.size)
+            st["codec"] = sub.codec.name if sub.codec is not None else "none"
+            st["strategy"] = path
+            if path == "broadcast":
+                self._sched.add(T.broadcast_task(self.env, job, sub.root, self._next_tag()),
+                                sub.name)
+            elif path == "fused":
+                fused.setdefault(np.dtype(sub.array.dtype), []).append(job)
+            elif path == "allreduce":
+                self._sched.add(T.summable_task(self.env, job, self._next_tag()), sub.name)
+            elif path == "gather":
+                self._sched.add(T.gather_task(self.env, job, self._next_tag()), sub.name)
+            else:
+                n = job.flat.size
+                parts = min(self._partitions(n * job.flat.dtype.itemsize), n)
+                bounds = T._bounds(n, parts)
+                job.parts_left = parts
+                for p in range(parts):
+                    lo, hi = bounds[p], bounds[p + 1]
+                    if path == "ps":
+                        agg = self._agg_rr % self.size
+                        self._agg_rr += 1
+                        gen = T.ps_task(self.env, job, lo, hi, p, agg, self._next_tag())
+                    else:
+                        gen = T.ring_task(self.env, job, lo, hi, p, self._next_tag())
+                    self._sched.add(gen, f"{sub.name}#p{p}")
+        limit = self.cfg.sync.fusion_threshold_bytes
+        for jobs in fused.values():
+            bucket: List[T.Job] = []
+            nbytes = 0
+            for job in jobs:
+                if bucket and nbytes + job.flat.nbytes > limit:
+                    self._sched.add(T.fused_task(self.env, bucket, self._next_tag()), "fused")
+                    bucket, nbytes = [], 0
+                bucket.append(job)
+                nbytes += job.flat.nbytes
+            if bucket:
+                self._sched.add(T.fused_task(self.env, bucket, self._next_tag()), "fused")
+
+    def _job(self, sub: _Submission, path: str) -> T.Job:
+        arr = sub.array
+        xp = array_module(arr)
+        flat = xp.ascontiguousarray(arr).reshape(-1)
+        if path in ("ps", "ring", "gather", "allreduce"):
+            flat = flat.astype(compute_dtype(flat.dtype), copy=False)
+        out = xp.empty(arr.size, dtype=arr.dtype)
+        memory = self._memory_for(sub.codec) if sub.codec is not None else self._memories["none"]
+
+        def done(job: T.Job, sub: _Submission = sub) -> None:
+            if sub.kind == "broadcast":
+                res = job.out
+            else:
+                res = job.out.reshape(sub.array.shape)
+            self._complete(sub, res)
+
+        return T.Job(sub.name, flat, out, sub.average, sub.codec, memory, sub.contributes,
+                     on_done=done)
+
+    def _write_timeline(self) -> None:
+        path = self.cfg.timeline
+        if not path:
+            return
+        try:
+            events = self.timeline.events()
+            if "{rank}" in str(path):
+                write_trace(str(path).format(rank=self.rank), [events] if self.rank == 0 else
+                            [[]] * self.rank + [events])
+                return
+            gathered = self.world.ctrl.gather(events, root=0) if self._error is None else None
+            if self.rank == 0:
+                write_trace(str(path), gathered or [events],
+                            {"world_size": self.size, "stats": self.stats()})
+                logger.info("HiPress timeline written to %s", path)
+        except Exception:  # noqa: BLE001 - never mask the real outcome
+            logger.exception("could not write the HiPress timeline to %s", path)
+
+
+def _codec_key(name: str, params: Dict[str, Any]) -> str:
+    return name + ("?" + json.dumps(params, sort_keys=True) if params else "")
+
+
+def _split_key(key: str) -> Tuple[str, Dict[str, Any]]:
+    name, _, params = key.partition("?")
+    return name, (json.loads(params) if params else {})
+
+
+def _build_codec(algo: str, params: Dict[str, Any]) -> Codec:
+    """Build a codec from a registered name or a CompLL spec path (``*.hpc``)."""
+    if algo.endswith(".hpc"):
+        from hipress import compll
+
+        cls = compll.load_spec(algo)
+        return cls(**params)
+    return get_codec(algo, **params)

@@ -1,0 +1,432 @@
+"""CaSync task graphs: each strategy composed from partition, encode, decode, merge, send, recv.
+
+Every graph is a coroutine for :class:`hipress.engine.scheduler.Scheduler`. They share one
+rule that keeps ranks bit-identical: the final value of every element is decoded from the
+same bytes (or summed in the same rank order) on every rank, so no rank ever uses a local
+pre-encode value that the others do not see.
+
+Payloads always carry *sums*; an average is taken after the final decode (``/ N``), so
+error-feedback residuals are in the same units whichever rank merges.
+
+Strategies (after Bai et al., SOSP'21, section 3):
+
+- :func:`ps_task` — CaSync-PS, co-located: the partition's aggregator (round-robin) receives
+  every rank's payload, decodes and merges them, encodes the sum once and sends it back.
+- :func:`ring_task` — CaSync-Ring: reduce-scatter whose every hop is recv -> decode ->
+  merge -> encode -> send, then an allgather of the compressed chunks (no re-encode).
+- :func:`gather_task` — for payloads whose size varies across ranks (DGC, GradDrop): every
+  rank sends its payload to every other, each decodes all and sums in rank order.
+- :func:`summable_task` — codecs whose payloads reduce without decoding (fp16, TernGrad
+  with a shared scale, PowerSGD's P and Q, random-k with a shared seed): drives the
+  codec's ``reduce_stages`` with :func:`allreduce_sum`/:func:`allreduce_max`.
+- :func:`fused_task` — uncompressed gradients, concatenated into one buffer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Generator, List, Optional, Sequence
+
+import numpy as np
+
+from hipress.backend import array_module, compute_dtype, to_host
+from hipress.codecs.base import Codec, Payload
+from hipress.engine.scheduler import Compute, Recv, Send
+from hipress.memory import Memory
+from hipress.timeline import Timeline
+
+
+@dataclasses.dataclass
+class TaskEnv:
+    """What every task graph needs from the engine."""
+
+    rank: int
+    size: int
+    timeline: Timeline
+    stats: Dict[str, Dict[str, Any]]
+
+
+@dataclasses.dataclass
+class Job:
+    """One submitted gradient as the background thread sees it.
+
+    Attributes:
+        name: the gradient's name (agreed across ranks).
+        flat: 1-D view of the input (NumPy or CuPy), never modified.
+        out: 1-D result buffer of the input's dtype, filled by the tasks.
+        average: divide the sum by the world size.
+        codec: codec for compressed paths (None for uncompressed).
+        memory: error-feedback memory (NoMemory when disabled).
+        contributes: False when this rank has no gradient (zeros that must not touch
+            the residual).
+        parts_left: partitions still running; the handle completes at 0.
+    """
+
+    name: str
+    flat: Any
+    out: Any
+    average: bool
+    codec: Optional[Codec]
+    memory: Memory
+    contributes: bool
+    parts_left: int = 1
+    on_done: Any = None
+
+    def part_done(self) -> None:
+        """Mark one partition finished; complete the handle after the last one."""
+        self.parts_left -= 1
+        if self.parts_left == 0 and self.on_done is not None:
+            self.on_done(self)
+
+
+def _bounds(n: int, parts: int) -> List[int]:
+    """Return parts+1 boundaries splitting n elements as evenly as np.array_split does."""
+    q, r = divmod(n, parts)
+    out = [0]
+    for i in range(parts):
+        out.append(out[-1] + q + (1 if i < r else 0))
+    return out
+
+
+def _stat(env: TaskEnv, name: str, **add: float) -> None:
+    st = env.stats.setdefault(name, {})
+    for k, v in add.items():
+        st[k] = st.get(k, 0) + v
+
+
+def _write(job: Job, lo: int, hi: int, value: Any, size: int) -> None:
+    """Store the (summed) result slice into the job's output, averaged if asked."""
+    xp = array_module(job.out)
+    value = xp.asarray(value) if xp is not np else to_host(value)
+    if job.average:
+        value = value.astype(compute_dtype(value.dtype), copy=False) / size
+    job.out[lo:hi] = value.astype(job.out.dtype, copy=False)
+
+
+# ------------------------------------------------------------------ compute steps
+def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
+                 feedback: bool, part: str) -> np.ndarray:
+    """Error-feedback compensate, encode, record the residual; return the wire bytes."""
+    tl = env.timeline
+    with tl.span("encode", gradient=job.name, partition=part, numel=int(x.size)):
+        c = job.memory.compensate(key, x) if feedback else x
+        payload = codec.encode(c, name=key)
+        if feedback:
+            job.memory.update(key, c, codec.decode(payload))
+        buf = payload.to_buffer()
+    return buf
+
+
+def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[np.ndarray],
+                     part: str, extra: Any = None) -> Any:
+    """Decode payloads and sum them in the given (rank) order, plus ``extra`` if given."""
+    xp = array_module(job.flat)
+    with env.timeline.span("decode+merge", gradient=job.name, partition=part,
+                           payloads=len(bufs)):
+        acc = None
+        for buf in bufs:
+            v = codec.decode(Payload.from_bytes(buf, xp=xp))
+            v = v.astype(compute_dtype(v.dtype), copy=False)
+            acc = v.copy() if acc is None else acc.__iadd__(v)
+        if extra is not None:
+            acc = extra.astype(acc.dtype, copy=True) if acc is None else acc.__iadd__(extra)
+    return acc
+
+
+def _decode_step(env: TaskEnv, job: Job, codec: Codec, buf: np.ndarray, part: str) -> Any:
+    xp = array_module(job.flat)
+    with env.timeline.span("decode", gradient=job.name, partition=part, bytes=int(buf.size)):
+        return codec.decode(Payload.from_bytes(buf, xp=xp))
+
+
+def _comm(env: TaskEnv, job: Job, part: str, kind: str, ops: List[Any]) -> Generator:
+    """Yield communication ops, recording one timeline event for the wait."""
+    start = env.timeline.now_us()
+    sent = sum(int(o.buf.nbytes) for o in ops if isinstance(o, Send))
+    res = yield ops
+    env.timeline.add(kind, start, env.timeline.now_us() - start, gradient=job.name,
+                     partition=part, bytes=sent)
+    if sent:
+        _stat(env, job.name, bytes_sent=sent)
+    return res
+
+
+# ------------------------------------------------------------------ strategies
+def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int,
+            tag: int) -> Generator:
+    """CaSync-PS for one partition ``flat[lo:hi]`` aggregated by rank ``aggregator``.
+
+    1. encode: each rank compensates its partition with its residual and encodes it;
+    2. send/recv: workers send the payload to the aggregator;
+    3. decode + merge: the aggregator decodes all N payloads and sums them in rank order;
+    4. encode: it compensates the sum with its server residual and encodes it once;
+    5. send/recv: it sends that payload to every worker;
+    6. decode: every rank (the aggregator too) decodes the same bytes, then averages.
+    """
+    codec, N, me = job.codec, env.size, env.rank
+    label = f"p{part}"
+    key = f"{job.name}#{label}"
+    x = job.flat[lo:hi]
+    fb = job.contributes and job.memory.name != "none"
+    own = yield Compute(_encode_step, (env, job, codec, x, key, fb, label))
+    if me != aggregator:
+        nbytes = None if codec.variable_size else codec.payload_nbytes((hi - lo,), x.dtype)
+        _, final = yield from _comm(env, job, label, "send+recv", [
+            Send(aggregator, own, tag), Recv(aggregator, tag + 1, nbytes)])
+    else:
+        nbytes = None if codec.variable_size else own.size
+        got = yield from _comm(env, job, label, "recv", [
+            Recv(r, tag, nbytes) for r in range(N) if r != me])
+        bufs = list(got)
+        bufs.insert(me, own)
+        merged = yield Compute(_decode_sum_step, (env, job, codec, bufs, label))
+        skey = f"{key}@agg"
+        sfb = job.memory.name != "none"
+        final = yield Compute(_encode_step, (env, job, codec, merged, skey, sfb, label + "@agg"))
+        yield from _comm(env, job, label, "send", [Send(r, final, tag + 1) for r in range(N)
+                                                   if r != me])
+    result = yield Compute(_decode_step, (env, job, codec, final, label))
+    _write(job, lo, hi, result, N)
+    _stat(env, job.name, payload_bytes=int(own.size), raw_bytes=(hi - lo) * x.dtype.itemsize)
+    job.part_done()
+
+
+def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> Generator:
+    """CaSync-Ring for one partition ``flat[lo:hi]``.
+
+    The partition is cut into N chunks. In step s (0 <= s < N-1) rank r sends chunk
+    (r - s) mod N to rank r+1 and receives chunk (r - s - 1) mod N from rank r-1:
+
+    1. recv the partial sum of the chunk, decode it;
+    2. merge: add this rank's own chunk (compensated with this rank's residual for it);
+    3. encode the new partial sum (its error becomes that residual) and send it on.
+
+    After N-1 steps rank r holds the fully merged chunk (r + 1) mod N as a payload;
+    an allgather of these payloads (no re-encode) lets every rank decode every chunk.
+    """
+    codec, N, me = job.codec, env.size, env.rank
+    label = f"p{part}"
+    x = job.flat[lo:hi]
+    b = _bounds(hi - lo, N)
+    nxt, prv = (me + 1) % N, (me - 1) % N
+    fb = job.contributes and job.memory.name != "none"
+
+    def chunk(j: int) -> Any:
+        return x[b[j]:b[j + 1]]
+
+    def ckey(j: int) -> str:
+        return f"{job.name}#{label}c{j}"
+
+    def nbytes(j: int) -> Optional[int]:
+        return None if codec.variable_size else codec.payload_nbytes((b[j + 1] - b[j],),
+                                                                     x.dtype)
+
+    send_idx = me
+    payload = yield Compute(_encode_step, (env, job, codec, chunk(send_idx), ckey(send_idx),
+                                           fb, f"{label}c{send_idx}"))
+    for s in range(N - 1):
+        recv_idx = (me - s - 1) % N
+        _, got = yield from _comm(env, job, label, "send+recv", [
+            Send(nxt, payload, tag + s), Recv(prv, tag + s, nbytes(recv_idx))])
+        merged = yield Compute(_decode_sum_step, (env, job, codec, [got], f"{label}c{recv_idx}",
+                                                  _own_chunk(job, chunk(recv_idx), ckey(recv_idx),
+                                                             fb)))
+        payload = yield Compute(_encode_step, (env, job, codec, merged, ckey(recv_idx),
+                                               fb, f"{label}c{recv_idx}"))
+    owned = (me + 1) % N if N > 1 else me
+    finals: Dict[int, np.ndarray] = {owned: payload}
+    if N > 1:
+        got = yield from _comm(env, job, label, "allgather", [
+            Send(r, payload, tag + N + 0) for r in range(N) if r != me] + [
+            Recv(r, tag + N, nbytes((r + 1) % N)) for r in range(N) if r != me])
+        others = [r for r in range(N) if r != me]
+        for r, buf in zip(others, got[N - 1:]):
+            finals[(r + 1) % N] = buf
+    for j in range(N):
+        res = yield Compute(_decode_step, (env, job, codec, finals[j], f"{label}c{j}"))
+        _write(job, lo + b[j], lo + b[j + 1], res, N)
+    _stat(env, job.name, payload_bytes=int(sum(v.size for v in finals.values())),
+          raw_bytes=(hi - lo) * x.dtype.itemsize)
+    job.part_done()
+
+
+def _own_chunk(job: Job, x: Any, key: str, feedback: bool) -> Any:
+    """Return this rank's contribution to a ring hop: the chunk plus its residual.
+
+    The residual is consumed here and re-filled by the hop's encode (same key), so each
+    rank keeps exactly one residual per chunk.
+    """
+    if not feedback:
+        return x
+    c = job.memory.compensate(key, x)
+    e = job.memory.get(key)
+    if e is not None:
+        e[...] = 0
+    return c
+
+
+def gather_task(env: TaskEnv, job: Job, tag: int) -> Generator:
+    """Gather path for variable-size payloads (DGC, GradDrop, top-k).
+
+    1. encode with error feedback; 2. send the payload to every other rank and receive
+    theirs (sizes differ, so receives probe for the size); 3. decode all N payloads and
+    sum them in rank order (value arrays of different ranks are never added element-wise
+    before decoding); 4. average.
+    """
+    codec, N, me = job.codec, env.size, env.rank
+    fb = job.contributes and job.memory.name != "none"
+    own = yield Compute(_encode_step, (env, job, codec, job.flat, job.name, fb, "all"))
+    got = yield from _comm(env, job, "all", "allgather", [
+        Send(r, own, tag) for r in range(N) if r != me] + [
+        Recv(r, tag, None) for r in range(N) if r != me])
+    bufs = list(got[N - 1:])
+    bufs.insert(me, own)
+    total = yield Compute(_decode_sum_step, (env, job, codec, bufs, "all"))
+    _write(job, 0, job.flat.size, total, N)
+    _stat(env, job.name, payload_bytes=int(own.size), raw_bytes=job.flat.nbytes)
+    job.part_done()
+
+
+def allreduce_sum(env: TaskEnv, arr: np.ndarray, tag: int, label: str = "") -> Generator:
+    """Sum a 1-D host array over ranks; every rank gets identical bits.
+
+    Reduce-scatter as an all-to-all of N chunks (each rank sums the chunk it owns in rank
+    order, in float32 for 2-byte floats), then an allgather of the reduced chunks: the
+    bytes on the wire equal a ring allreduce's, and no element is summed twice. The
+    result has ``arr``'s dtype (the caller picks one wide enough for the sum).
+    """
+    N, me = env.size, env.rank
+    if N == 1:
+        return arr.copy()
+    b = _bounds(arr.size, N)
+    item = arr.dtype.itemsize
+    raw = np.ascontiguousarray(arr).view(np.uint8)
+
+    def piece(j: int) -> np.ndarray:
+        return raw[b[j] * item:b[j + 1] * item]
+
+    got = yield [Send(j, piece(j), tag) for j in range(N) if j != me] + [
+        Recv(i, tag, (b[me + 1] - b[me]) * item) for i in range(N) if i != me]
+    parts = list(got[N - 1:])
+    parts.insert(me, piece(me))
+    mine = yield Compute(_sum_chunks, (parts, arr.dtype))
+    mine_raw = mine.view(np.uint8)
+    got = yield [Send(j, mine_raw, tag + 1) for j in range(N) if j != me] + [
+        Recv(i, tag + 1, (b[i + 1] - b[i]) * item) for i in range(N) if i != me]
+    out = np.empty_like(arr)
+    out_raw = out.view(np.uint8)
+    others = [i for i in range(N) if i != me]
+    for i, buf in zip(others, got[N - 1:]):
+        out_raw[b[i] * item:b[i + 1] * item] = buf
+    out_raw[b[me] * item:b[me + 1] * item] = mine_raw
+    return out
+
+
+def _sum_chunks(parts: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
+    """Sum byte chunks viewed as ``dtype`` in the given order, accumulating widely."""
+    dt = np.dtype(dtype)
+    acc_dt = compute_dtype(dt) if dt.kind == "f" else np.dtype(np.int64)
+    acc = parts[0].view(dt).astype(acc_dt)
+    for p in parts[1:]:
+        acc += p.view(dt)
+    return acc.astype(dt)
+
+
+def allreduce_max(env: TaskEnv, arr: np.ndarray, tag: int) -> Generator:
+    """Element-wise max of a small 1-D host array over ranks (exact, identical bits)."""
+    N, me = env.size, env.rank
+    if N == 1:
+        return arr.copy()
+    raw = np.ascontiguousarray(arr).view(np.uint8)
+    got = yield [Send(j, raw, tag) for j in range(N) if j != me] + [
+        Recv(i, tag, raw.size) for i in range(N) if i != me]
+    out = arr.copy()
+    for buf in got[N - 1:]:
+        np.maximum(out, buf.view(arr.dtype), out=out)
+    return out
+
+
+def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
+    """Compressed allreduce: drive the codec's ``reduce_stages`` with sum/max reductions.
+
+    1. compensate with the residual; 2. for each stage the codec yields, reduce the array
+    across ranks (:func:`allreduce_sum` or :func:`allreduce_max`) and hand the result
+    back; 3. the codec returns the reduced estimate and its feedback, which updates the
+    residual; 4. average.
+    """
+    codec, N = job.codec, env.size
+    fb = job.contributes and job.memory.name != "none"
+    xp = array_module(job.flat)
+    x = job.memory.compensate(job.name, job.flat) if fb else job.flat
+    stages = codec.reduce_stages(x, job.name, N, 1.0)
+    value: Any = None
+    i = 0
+    sent = 0
+    while True:
+        try:
+            with env.timeline.span("encode", gradient=job.name, stage=i):
+                arr, op = stages.send(value)
+        except StopIteration as stop:
+            result, feedback = stop.value
+            break
+        host = to_host(arr).reshape(-1)
+        sent += host.nbytes
+        start = env.timeline.now_us()
+        if op == "sum":
+            red = yield from allreduce_sum(env, host, tag + 2 * i)
+        elif op == "max":
+            red = yield from allreduce_max(env, host, tag + 2 * i)
+        else:
+            raise ValueError(f"codec {codec.name!r} asked for reduction {op!r}; expect sum or max")
+        env.timeline.add("allreduce", start, env.timeline.now_us() - start, gradient=job.name,
+                         stage=i, bytes=int(host.nbytes), op=op)
+        value = red.reshape(arr.shape) if xp is np else xp.asarray(red).reshape(arr.shape)
+        i += 1
+    if fb and feedback is not None:
+        job.memory.update(job.name, x, feedback)
+    _write(job, 0, job.flat.size, xp.asarray(result).reshape(-1), N)
+    _stat(env, job.name, payload_bytes=sent, raw_bytes=job.flat.nbytes)
+    job.part_done()
+
+
+def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:
+    """Uncompressed allreduce of several gradients of one dtype through one fused buffer.
+
+    1. concatenate (host); 2. :func:`allreduce_sum`; 3. split and average each.
+    """
+    N = env.size
+    dtype = jobs[0].flat.dtype
+    start = env.timeline.now_us()
+    buf = np.concatenate([to_host(j.flat) for j in jobs]) if len(jobs) > 1 else to_host(
+        jobs[0].flat)
+    buf = buf.astype(dtype, copy=False)
+    env.timeline.add("fuse", start, env.timeline.now_us() - start, gradients=len(jobs),
+                     bytes=int(buf.nbytes))
+    start = env.timeline.now_us()
+    total = yield from allreduce_sum(env, buf, tag)
+    env.timeline.add("allreduce", start, env.timeline.now_us() - start,
+                     gradients=[j.name for j in jobs[:8]], bytes=int(buf.nbytes))
+    pos = 0
+    share = 2.0 * (N - 1) / N if N > 1 else 0.0
+    for j in jobs:
+        n = j.flat.size
+        _write(j, 0, n, total[pos:pos + n], N)
+        _stat(env, j.name, bytes_sent=int(j.flat.nbytes * share),
+              payload_bytes=int(j.flat.nbytes), raw_bytes=int(j.flat.nbytes))
+        pos += n
+        j.part_done()
+
+
+def broadcast_task(env: TaskEnv, job: Job, root: int, tag: int) -> Generator:
+    """Send root's bytes to every rank (sizes probed, so objects of any size work)."""
+    N, me = env.size, env.rank
+    if me == root:
+        raw = np.ascontiguousarray(to_host(job.flat)).view(np.uint8).reshape(-1)
+        if N > 1:
+            yield from _comm(env, job, "all", "send", [Send(r, raw, tag) for r in range(N)
+                                                       if r != root])
+        job.out = raw
+    else:
+        (got,) = yield from _comm(env, job, "all", "recv", [Recv(root, tag, None)])
+        job.out = got
+    job.part_done()
