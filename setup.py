@@ -5,9 +5,9 @@ the design notes), but users import them as ``hipress.torch``, ``hipress.tensorf
 ``hipress.mxnet`` and ``hipress.launch``; ``package_dir`` maps one onto the other.
 """
 
-from setuptools import find_packages, setup
-
 import os
+
+from setuptools import find_packages, setup
 
 _MAPPED = {
     "hipress.torch": "adapters/torch",

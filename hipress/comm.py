@@ -78,8 +78,8 @@ def world() -> World:
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
         raise RuntimeError(
-            "the MPI library provides thread level %d < MPI_THREAD_SERIALIZED; HiPress "
-            "needs an MPI built with thread support (Open MPI 4+/5 or MPICH 3+)" % provided
+            f"the MPI library provides thread level {provided} < MPI_THREAD_SERIALIZED; "
+            "HiPress needs an MPI built with thread support (Open MPI 4+/5 or MPICH 3+)"
         )
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())

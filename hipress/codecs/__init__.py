@@ -8,6 +8,8 @@
 Built-in codecs register themselves on import; see :func:`codec_names` for the list.
 """
 
+import importlib
+
 from hipress.codecs import cast, identity  # noqa: F401  (registration)
 from hipress.codecs.base import (
     Codec,
@@ -28,3 +30,13 @@ __all__ = [
     "layout_nbytes",
     "register_codec",
 ]
+
+# Built-in codec modules register themselves on import.
+# TODO(lead): import these directly once every module exists.
+for _mod in ("onebit", "tbq", "terngrad", "qsgd", "signsgd", "minmax8", "topk", "randomk", "dgc",
+             "graddrop", "powersgd"):
+    try:
+        importlib.import_module(f"hipress.codecs.{_mod}")
+    except ModuleNotFoundError as _exc:
+        if _exc.name != f"hipress.codecs.{_mod}":
+            raise

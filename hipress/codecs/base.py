@@ -33,7 +33,14 @@ from typing import Any, Callable, ClassVar, Dict, Generator, List, Sequence, Tup
 
 import numpy as np
 
-from hipress.backend import CODE_DTYPES, array_module, check_gradient_dtype, dtype_code, to_host
+from hipress.backend import (
+    CODE_DTYPES,
+    GRADIENT_DTYPES,
+    array_module,
+    check_gradient_dtype,
+    dtype_code,
+    to_host,
+)
 from hipress.errors import CodecError, PayloadError
 
 MAGIC = b"HP"
@@ -111,7 +118,7 @@ class Payload:
         return out
 
     @classmethod
-    def from_bytes(cls, buf: Any, xp: Any = np) -> "Payload":
+    def from_bytes(cls, buf: Any, xp: Any = np) -> Payload:
         """Parse a wire buffer (bytes, bytearray, memoryview or uint8 array).
 
         Args:
@@ -145,7 +152,7 @@ class Payload:
             raise PayloadError("payload truncated inside its shape")
         shape = struct.unpack_from(f"<{ndim}Q", mv, pos)
         pos += 8 * ndim
-        if any(d > 2**48 for d in shape):
+        if any(d > 2**48 for d in shape) or math.prod(shape) > 2**48:
             raise PayloadError(f"payload declares an impossible shape {shape}")
         (nsec,) = struct.unpack_from("<B", mv, pos)
         pos += 1
@@ -193,6 +200,11 @@ class Codec(abc.ABC):
         lossless: decode(encode(x)) == x exactly.
         error_feedback: the codec is biased and should run with residual error feedback
             (the engine's default memory for it is ``"residual"``).
+        mergeable: decode -> sum -> encode of partial sums keeps most of the information,
+            so the codec can run under CaSync-PS and CaSync-Ring. False for sparsifiers
+            whose merged sum is denser than one payload (top-k, DGC, GradDrop: the engine
+            gathers their payloads instead) and for codecs whose payload only makes sense
+            through :meth:`reduce_stages` (PowerSGD).
     """
 
     name: ClassVar[str] = ""
@@ -202,6 +214,20 @@ class Codec(abc.ABC):
     stochastic: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
     error_feedback: ClassVar[bool] = False
+    mergeable: ClassVar[bool] = True
+    #: memory the engine uses under ``compression.memory: auto`` when error_feedback is set
+    default_memory: ClassVar[str] = "residual"
+
+    def bind(self, rank: int, world_size: int) -> None:  # noqa: B027 - optional hook
+        """Tell the codec which rank it runs on (the engine calls this once).
+
+        Stochastic codecs that should draw independently on each rank mix ``rank`` into
+        their random streams; the default does nothing.
+        """
+
+    def memory_params(self) -> Dict[str, Any]:
+        """Return parameters for the codec's default error-feedback memory (none by default)."""
+        return {}
 
     # ----------------------------------------------------------------- public API
     def encode(self, x: Any, name: str = "") -> Payload:
@@ -239,7 +265,11 @@ class Codec(abc.ABC):
                 f"payload was made by codec id {payload.codec_id}, not by {self.name!r} "
                 f"(id {self.codec_id}); every rank must use the same codec per gradient"
             )
-        check_gradient_dtype(payload.dtype, "payload")
+        if np.dtype(payload.dtype) not in GRADIENT_DTYPES:
+            raise PayloadError(
+                f"payload declares gradient dtype {np.dtype(payload.dtype)}; expect float16, "
+                "bfloat16, float32 or float64: the payload is corrupted or not a gradient"
+            )
         if payload.numel == 0:
             if payload.sections:
                 raise PayloadError("payload of a 0-element gradient must have no sections")

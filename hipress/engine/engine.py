@@ -106,6 +106,7 @@ class Engine:
         self.env = T.TaskEnv(self.rank, self.size, self.timeline, self.stats_table)
         self.step_count = 0
         self._codecs: Dict[str, Codec] = {}
+        self._warned: set = set()
         self._memories: Dict[str, Memory] = {"none": get_memory("none")}
         self._lock = threading.Lock()
         self._queue: Deque[_Submission] = collections.deque()
@@ -201,8 +202,9 @@ class Engine:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (codecs are rebuilt from their keys)."""
         self.step_count = int(state.get("step", 0))
-        for kind, mstate in state.get("memories", {}).items():
-            self._memory(kind).load_state_dict(mstate)
+        for key, mstate in state.get("memories", {}).items():
+            kind, params = _split_key(key)
+            self._memory(kind, params).load_state_dict(mstate)
         for key, cstate in state.get("codecs", {}).items():
             name, params = _split_key(key)
             codec = self._codecs.get(key) or get_codec(name, **params)
@@ -215,7 +217,9 @@ class Engine:
         comp = self.cfg.compression
         if isinstance(codec, Codec):
             key = _codec_key(codec.name, codec.params())
-            self._codecs.setdefault(key, codec)
+            if key not in self._codecs:
+                codec.bind(self.rank, self.size)
+                self._codecs[key] = codec
             return (None, "none") if codec.name == "none" else (codec, key)
         if codec is not None:
             algo, params = str(codec), dict(comp.params) if codec == comp.algorithm else {}
@@ -231,21 +235,27 @@ class Engine:
         key = _codec_key(algo, params)
         if key not in self._codecs:
             codec_obj = _build_codec(algo, params)
-            if hasattr(codec_obj, "rank"):
-                codec_obj.rank = self.rank
+            codec_obj.bind(self.rank, self.size)
             self._codecs[key] = codec_obj
         return self._codecs[key], key
 
-    def _memory(self, kind: str) -> Memory:
-        if kind not in self._memories:
-            self._memories[kind] = get_memory(kind)
-        return self._memories[kind]
+    def _memory(self, kind: str, params: Optional[Dict[str, Any]] = None) -> Memory:
+        """Return the memory of ``kind`` with ``params`` (one instance per distinct pair)."""
+        key = _codec_key(kind, params or {})
+        if key not in self._memories:
+            self._memories[key] = get_memory(kind, **(params or {}))
+        return self._memories[key]
 
     def _memory_for(self, codec: Codec) -> Memory:
         kind = self.cfg.compression.memory
         if kind == "auto":
-            kind = "residual" if codec.error_feedback else "none"
-        return self._memory(kind)
+            kind = codec.default_memory if codec.error_feedback else "none"
+        if kind == "none":
+            return self._memories["none"]
+        params = dict(codec.memory_params()) if kind == codec.default_memory else {}
+        if kind == "dgc":
+            params["world_size"] = self.size
+        return self._memory(kind, params)
 
     def _path(self, sub: _Submission) -> str:
         """Return the synchronization path of a ready submission."""
@@ -255,12 +265,14 @@ class Engine:
         if codec is None:
             return "fused"
         forced = sub.strategy if sub.strategy in STRATEGIES else None
-        if not codec.mergeable:
-            if not codec.summable:
-                raise HiPressError(f"codec {codec.name!r} is neither mergeable nor summable")
-            return "allreduce"
-        if codec.variable_size:
-            return "gather"
+        if not codec.mergeable or codec.variable_size:
+            path = "allreduce" if codec.summable and not codec.variable_size else "gather"
+            if forced in ("ps", "ring") and codec.name not in self._warned:
+                self._warned.add(codec.name)
+                logger.warning(
+                    "codec %r cannot run under CaSync-%s (re-encoding merged payloads would "
+                    "drop most of them); using the %s path", codec.name, forced.upper(), path)
+            return path
         if forced in ("ps", "ring", "gather"):
             return forced
         if forced == "allreduce" or codec.summable:

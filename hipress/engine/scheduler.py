@@ -101,10 +101,10 @@ class Scheduler:
     def __init__(self, comm: Any, mpi: Any, compute_threads: int, wait_timeout_s: float) -> None:
         self.comm = comm
         self.mpi = mpi
-        self.pool = (
-            concurrent.futures.ThreadPoolExecutor(compute_threads, thread_name_prefix="hipress-compute")
-            if compute_threads > 0 else None
-        )
+        self.pool = None
+        if compute_threads > 0:
+            self.pool = concurrent.futures.ThreadPoolExecutor(
+                compute_threads, thread_name_prefix="hipress-compute")
         self.wait_timeout_s = wait_timeout_s
         self.tasks: List[_Task] = []
         self.bytes_sent = 0

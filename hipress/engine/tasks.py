@@ -29,7 +29,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence
 
 import numpy as np
 
-from hipress.backend import array_module, compute_dtype, to_host
+from hipress.backend import GRADIENT_DTYPES, array_module, compute_dtype, to_host
 from hipress.codecs.base import Codec, Payload
 from hipress.engine.scheduler import Compute, Recv, Send
 from hipress.memory import Memory
@@ -94,11 +94,14 @@ def _stat(env: TaskEnv, name: str, **add: float) -> None:
         st[k] = st.get(k, 0) + v
 
 
-def _write(job: Job, lo: int, hi: int, value: Any, size: int) -> None:
-    """Store the (summed) result slice into the job's output, averaged if asked."""
+def _write(job: Job, lo: int, hi: int, value: Any, size: int, scaled: bool = False) -> None:
+    """Store a summed result slice into the job's output, averaged if asked.
+
+    ``scaled`` means ``value`` is already the average (the codec applied ``prescale``).
+    """
     xp = array_module(job.out)
     value = xp.asarray(value) if xp is not np else to_host(value)
-    if job.average:
+    if job.average and not scaled:
         value = value.astype(compute_dtype(value.dtype), copy=False) / size
     job.out[lo:hi] = value.astype(job.out.dtype, copy=False)
 
@@ -325,7 +328,7 @@ def allreduce_sum(env: TaskEnv, arr: np.ndarray, tag: int, label: str = "") -> G
 def _sum_chunks(parts: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
     """Sum byte chunks viewed as ``dtype`` in the given order, accumulating widely."""
     dt = np.dtype(dtype)
-    acc_dt = compute_dtype(dt) if dt.kind == "f" else np.dtype(np.int64)
+    acc_dt = compute_dtype(dt) if dt in GRADIENT_DTYPES else np.dtype(np.int64)
     acc = parts[0].view(dt).astype(acc_dt)
     for p in parts[1:]:
         acc += p.view(dt)
@@ -358,7 +361,7 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     fb = job.contributes and job.memory.name != "none"
     xp = array_module(job.flat)
     x = job.memory.compensate(job.name, job.flat) if fb else job.flat
-    stages = codec.reduce_stages(x, job.name, N, 1.0)
+    stages = codec.reduce_stages(x, job.name, N, 1.0 / N if job.average else 1.0)
     value: Any = None
     i = 0
     sent = 0
@@ -384,7 +387,7 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
         i += 1
     if fb and feedback is not None:
         job.memory.update(job.name, x, feedback)
-    _write(job, 0, job.flat.size, xp.asarray(result).reshape(-1), N)
+    _write(job, 0, job.flat.size, xp.asarray(result).reshape(-1), N, scaled=True)
     _stat(env, job.name, payload_bytes=sent, raw_bytes=job.flat.nbytes)
     job.part_done()
 

@@ -5,6 +5,7 @@ memory keeps per-gradient state keyed by stable gradient names, in float32 whate
 gradient dtype, and is part of checkpoints through ``state_dict``/``load_state_dict``.
 """
 
+from hipress.memory import dgc  # noqa: F401  (registers "dgc")
 from hipress.memory.base import (
     Memory,
     NoMemory,

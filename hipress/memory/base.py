@@ -57,12 +57,13 @@ class Memory:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Replace the state with ``state`` (arrays are copied, kept in float32 or float64)."""
-        self._state = {}
+        new: Dict[str, Any] = {}
         for k, v in state.items():
             a = np.array(v, copy=True)
             if a.dtype.kind != "f":
                 raise CodecError(f"memory state of {k!r} has dtype {a.dtype}; expect float")
-            self._state[k] = a
+            new[k] = a
+        self._state = new  # all or nothing: a bad entry leaves the old state in place
 
     def __getstate__(self) -> Dict[str, Any]:
         return {"state": self.state_dict(), "params": self.params()}

@@ -1,0 +1,179 @@
+"""Per-iteration gradient synchronization time: HiPress vs the systems it is chosen over.
+
+Runs the gradient sets of ResNet-50, VGG-19 and BERT-base (shapes shipped in
+``hipress/data/gradients``; values random normal) under MPI and prints, measured in one run:
+
+- ``horovod``: uncompressed MPI allreduce of fused 64 MiB buckets;
+- ``grace``: compress -> allgather -> decompress each -> sum, per tensor (GRACE);
+- ``byteps``: non-pipelined parameter server, decode-sum-re-encode per tensor (BytePS onebit);
+- ``hipress-ps`` / ``hipress-ring``: CaSync-PS / CaSync-Ring (or the path the engine picks
+  for codecs that cannot be merged: gather for DGC/GradDrop, compressed allreduce for
+  PowerSGD), pipelined, small tensors fused uncompressed.
+
+Usage (launches mpirun itself)::
+
+    python bench/sync.py --np 4 --models resnet50 --iters 3
+    python bench/sync.py --np 4 --models vgg19 --codecs onebit,dgc --systems horovod,hipress-ps
+
+Each time is the slowest rank's, median over ``--iters`` after ``--warmup`` iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+DEFAULT_PARAMS = {
+    "onebit": {},
+    "tbq": {"threshold": 0.02},
+    "terngrad": {},
+    "dgc": {"ratio": 0.001},
+    "graddrop": {"drop_ratio": 0.99},
+    "powersgd": {"rank": 1},
+    "fp16": {},
+}
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--np", type=int, default=4, help="ranks on localhost (default 4)")
+    p.add_argument("--models", default="resnet50,vgg19,bert-base")
+    p.add_argument("--codecs", default="onebit,tbq,terngrad,dgc,graddrop,powersgd")
+    p.add_argument("--systems", default="horovod,grace,byteps,hipress-ps,hipress-ring")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--timeline", default=None, help="HiPress timeline path (last model)")
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--mpi-args", default="", help="extra mpirun arguments")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def launch(args: argparse.Namespace) -> int:
+    mpirun = Path(sys.executable).parent / "mpirun"
+    cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(args.np), "--oversubscribe",
+           "--bind-to", "none"] + args.mpi_args.split() + [sys.executable, __file__, "--worker"]
+    cmd += [a for a in sys.argv[1:]]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1")
+    return subprocess.call(cmd, env=env)
+
+
+def load_grads(model: str, rank: int) -> dict:
+    spec = json.loads((ROOT / "hipress" / "data" / "gradients" / f"{model}.json").read_text())
+    rng = np.random.default_rng(1234 + rank)
+    return {g["name"]: (rng.standard_normal(g["shape"], dtype=np.float32) * 0.01)
+            for g in spec["gradients"]}
+
+
+def timed(comm, fn, iters: int, warmup: int) -> float:
+    from mpi4py import MPI
+
+    times = []
+    for i in range(warmup + iters):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        if i >= warmup:
+            times.append(dt)
+    return float(np.median(times))
+
+
+def hipress_fn(hp, grads: dict, label: str, codec, strategy):
+    names = list(grads)[::-1]  # backward order: last layer first
+
+    def run():
+        hs = [hp.allreduce_async(grads[n], f"{label}/{n}", codec=codec, strategy=strategy)
+              for n in names]
+        for h in hs:
+            hp.synchronize(h)
+
+    return run
+
+
+def worker(args: argparse.Namespace) -> None:
+    from baselines import BytePSNonPipelined, GraceAllgather, horovod_allreduce
+    from mpi4py import MPI
+
+    import hipress as hp
+    from hipress.codecs import get_codec
+
+    comm = MPI.COMM_WORLD
+    hp.init({"timeline": args.timeline, "logging": {"level": "WARNING"}})
+    rank, n = hp.rank(), hp.size()
+    systems = args.systems.split(",")
+    codecs = [c for c in args.codecs.split(",") if c]
+    rows = []
+
+    def report(model, system, codec, t, ratio=None, path=""):
+        rows.append({"model": model, "system": system, "codec": codec, "time_s": t,
+                     "ratio": ratio, "path": path})
+        if rank == 0:
+            base = next((r["time_s"] for r in rows if r["model"] == model
+                         and r["system"] == "horovod"), None)
+            sp = f"{base / t:6.2f}x" if base else "     -"
+            rt = f"{ratio:7.1f}" if ratio else "      -"
+            print(f"{model:10s} {system:13s} {codec:9s} {path:9s} {t:9.3f} s  {sp}  ratio {rt}",
+                  flush=True)
+
+    if rank == 0:
+        print(f"world size {n}; time per iteration (slowest rank, median of {args.iters}); "
+              "speedup vs horovod", flush=True)
+    for model in args.models.split(","):
+        grads = load_grads(model, rank)
+        mib = sum(g.nbytes for g in grads.values()) / 2**20
+        if rank == 0:
+            print(f"--- {model}: {len(grads)} tensors, {mib:.1f} MiB", flush=True)
+        if "horovod" in systems:
+            report(model, "horovod", "none",
+                   timed(comm, partial(horovod_allreduce, comm, grads), args.iters, args.warmup))
+        for codec in codecs:
+            params = DEFAULT_PARAMS.get(codec, {})
+            cobj = get_codec(codec, **params)
+            raw = sum(g.nbytes for g in grads.values())
+            wire = sum(cobj.payload_nbytes(g.shape) for g in grads.values())
+            ratio = raw / wire
+            if "grace" in systems:
+                g = GraceAllgather(codec, params)
+                report(model, "grace", codec, timed(comm, partial(g, comm, grads), args.iters,
+                                                    args.warmup), ratio)
+            if "byteps" in systems and cobj.mergeable:
+                b = BytePSNonPipelined(codec, params)
+                report(model, "byteps", codec, timed(comm, partial(b, comm, grads), args.iters,
+                                                     args.warmup), ratio)
+            for system in ("hipress-ps", "hipress-ring"):
+                if system not in systems:
+                    continue
+                strategy = system.split("-")[1]
+                if not cobj.mergeable and system == "hipress-ring":
+                    continue  # same path as hipress-ps for these codecs
+                label = f"{model}/{system}/{codec}"
+                fn = hipress_fn(hp, grads, label, get_codec(codec, **params), strategy)
+                t = timed(comm, fn, args.iters, args.warmup)
+                st = hp.stats()
+                paths = sorted({v["strategy"] for k, v in st.items() if k.startswith(label)})
+                report(model, system, codec, t, ratio, "/".join(paths))
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    hp.shutdown()
+
+
+if __name__ == "__main__":
+    a = parse()
+    if a.worker:
+        worker(a)
+    else:
+        sys.exit(launch(a))
