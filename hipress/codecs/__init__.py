@@ -8,9 +8,22 @@
 Built-in codecs register themselves on import; see :func:`codec_names` for the list.
 """
 
-import importlib
-
-from hipress.codecs import cast, identity  # noqa: F401  (registration)
+# Built-in codecs register themselves on import (one algorithm per module).
+from hipress.codecs import (  # noqa: F401
+    cast,
+    dgc,
+    graddrop,
+    identity,
+    minmax8,
+    onebit,
+    powersgd,
+    qsgd,
+    randomk,
+    signsgd,
+    tbq,
+    terngrad,
+    topk,
+)
 from hipress.codecs.base import (
     Codec,
     Payload,
@@ -31,12 +44,3 @@ __all__ = [
     "register_codec",
 ]
 
-# Built-in codec modules register themselves on import.
-# TODO(lead): import these directly once every module exists.
-for _mod in ("onebit", "tbq", "terngrad", "qsgd", "signsgd", "minmax8", "topk", "randomk", "dgc",
-             "graddrop", "powersgd"):
-    try:
-        importlib.import_module(f"hipress.codecs.{_mod}")
-    except ModuleNotFoundError as _exc:
-        if _exc.name != f"hipress.codecs.{_mod}":
-            raise

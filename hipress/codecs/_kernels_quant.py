@@ -34,8 +34,8 @@ The lane sums (onebit):
     Element ``i`` is added to lane ``i % 16``, each lane sequentially in float64 from
     ``+0.0`` in increasing ``i``; the 16 lanes are then added left to right. This order is
     fixed so the vectorizable Numba loop (16 independent accumulators) and the NumPy
-    reference (``add.reduce(axis=0)`` over a (rows, 16) array, which NumPy performs row by
-    row) produce bit-identical scales.
+    reference (``sum(axis=0)`` over a (rows, 16) array, which NumPy performs row by row)
+    produce bit-identical scales.
 """
 
 from __future__ import annotations
@@ -125,7 +125,8 @@ def lane_sums(values: Any) -> Any:
     """Return the 16 float64 lane sums of a 1-D array (lane j holds elements i % 16 == j).
 
     Each lane is summed sequentially in increasing i (NumPy reduces axis 0 of a C-ordered
-    (rows, 16) array row by row); the zero padding of the last row changes nothing because
+    (rows, 16) array row by row; CuPy sums in another order, so GPU scales may differ from
+    the CPU's in the last bit); the zero padding of the last row changes nothing because
     a lane sum starting from +0.0 is never -0.0.
     """
     xp = array_module(values)
@@ -133,7 +134,7 @@ def lane_sums(values: Any) -> Any:
     rows = -(-n // LANES)
     padded = xp.zeros(rows * LANES, dtype=np.float64)
     padded[:n] = values
-    return xp.add.reduce(padded.reshape(rows, LANES), axis=0)
+    return padded.reshape(rows, LANES).sum(axis=0)
 
 
 def host_floats(a: Any) -> list:

@@ -215,12 +215,15 @@ class Engine:
     def _resolve_codec(self, name: str, array: Any, codec: Any) -> Tuple[Optional[Codec], str]:
         """Pick the codec of one gradient: explicit > warm-up > min size > rule > default."""
         comp = self.cfg.compression
+        if (self.step_count < comp.warmup_steps
+                or array.size * array.dtype.itemsize < comp.min_compress_bytes):
+            return None, "none"
         if isinstance(codec, Codec):
             key = _codec_key(codec.name, codec.params())
             if key not in self._codecs:
                 codec.bind(self.rank, self.size)
                 self._codecs[key] = codec
-            return (None, "none") if codec.name == "none" else (codec, key)
+            return (None, "none") if codec.name == "none" else (self._codecs[key], key)
         if codec is not None:
             algo, params = str(codec), dict(comp.params) if codec == comp.algorithm else {}
         else:
@@ -229,8 +232,7 @@ class Engine:
                 if fnmatch.fnmatchcase(name, rule.pattern):
                     algo, params = rule.algorithm, dict(rule.params)
                     break
-        if (algo == "none" or self.step_count < comp.warmup_steps
-                or array.size * array.dtype.itemsize < comp.min_compress_bytes):
+        if algo == "none":
             return None, "none"
         key = _codec_key(algo, params)
         if key not in self._codecs:
@@ -267,7 +269,7 @@ class Engine:
         forced = sub.strategy if sub.strategy in STRATEGIES else None
         if not codec.mergeable or codec.variable_size:
             path = "allreduce" if codec.summable and not codec.variable_size else "gather"
-            if forced in ("ps", "ring") and codec.name not in self._warned:
+            if forced in ("ps", "ring") and codec.name not in self._warned and self.rank == 0:
                 self._warned.add(codec.name)
                 logger.warning(
                     "codec %r cannot run under CaSync-%s (re-encoding merged payloads would "

@@ -25,7 +25,7 @@ Strategies (after Bai et al., SOSP'21, section 3):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Generator, List, Optional, Sequence
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -108,27 +108,39 @@ def _write(job: Job, lo: int, hi: int, value: Any, size: int, scaled: bool = Fal
 
 # ------------------------------------------------------------------ compute steps
 def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
-                 feedback: bool, part: str) -> np.ndarray:
-    """Error-feedback compensate, encode, record the residual; return the wire bytes."""
+                 feedback: bool, part: str) -> Tuple[np.ndarray, Any]:
+    """Error-feedback compensate, encode, record the residual.
+
+    Returns:
+        (wire bytes, decoded payload or None): the decode that error feedback needs anyway
+        is handed back so the caller never decodes its own payload twice (decoding is
+        deterministic, so it equals what every other rank decodes from the bytes).
+    """
     tl = env.timeline
     with tl.span("encode", gradient=job.name, partition=part, numel=int(x.size)):
         c = job.memory.compensate(key, x) if feedback else x
         payload = codec.encode(c, name=key)
+        decoded = None
         if feedback:
-            job.memory.update(key, c, codec.decode(payload))
+            decoded = codec.decode(payload)
+            job.memory.update(key, c, decoded)
         buf = payload.to_buffer()
-    return buf
+    return buf, decoded
 
 
-def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[np.ndarray],
+def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[Any],
                      part: str, extra: Any = None) -> Any:
-    """Decode payloads and sum them in the given (rank) order, plus ``extra`` if given."""
+    """Decode payloads and sum them in the given (rank) order, plus ``extra`` if given.
+
+    An entry of ``bufs`` that is a (bytes, decoded) pair from :func:`_encode_step` with a
+    decoded array is used as it is instead of being decoded again.
+    """
     xp = array_module(job.flat)
     with env.timeline.span("decode+merge", gradient=job.name, partition=part,
                            payloads=len(bufs)):
         acc = None
         for buf in bufs:
-            v = codec.decode(Payload.from_bytes(buf, xp=xp))
+            v = _decoded(codec, buf, xp)
             v = v.astype(compute_dtype(v.dtype), copy=False)
             acc = v.copy() if acc is None else acc.__iadd__(v)
         if extra is not None:
@@ -136,10 +148,19 @@ def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[np.nda
     return acc
 
 
-def _decode_step(env: TaskEnv, job: Job, codec: Codec, buf: np.ndarray, part: str) -> Any:
+def _decoded(codec: Codec, buf: Any, xp: Any) -> Any:
+    """Return the decoded payload of wire bytes, or of an (_encode_step) pair."""
+    if isinstance(buf, tuple):
+        buf, dec = buf
+        if dec is not None:
+            return dec.reshape(-1)
+    return codec.decode(Payload.from_bytes(buf, xp=xp)).reshape(-1)
+
+
+def _decode_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, part: str) -> Any:
     xp = array_module(job.flat)
-    with env.timeline.span("decode", gradient=job.name, partition=part, bytes=int(buf.size)):
-        return codec.decode(Payload.from_bytes(buf, xp=xp))
+    with env.timeline.span("decode", gradient=job.name, partition=part):
+        return _decoded(codec, buf, xp)
 
 
 def _comm(env: TaskEnv, job: Job, part: str, kind: str, ops: List[Any]) -> Generator:
@@ -175,9 +196,9 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
     if me != aggregator:
         nbytes = None if codec.variable_size else codec.payload_nbytes((hi - lo,), x.dtype)
         _, final = yield from _comm(env, job, label, "send+recv", [
-            Send(aggregator, own, tag), Recv(aggregator, tag + 1, nbytes)])
+            Send(aggregator, own[0], tag), Recv(aggregator, tag + 1, nbytes)])
     else:
-        nbytes = None if codec.variable_size else own.size
+        nbytes = None if codec.variable_size else own[0].size
         got = yield from _comm(env, job, label, "recv", [
             Recv(r, tag, nbytes) for r in range(N) if r != me])
         bufs = list(got)
@@ -186,11 +207,11 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
         skey = f"{key}@agg"
         sfb = job.memory.name != "none"
         final = yield Compute(_encode_step, (env, job, codec, merged, skey, sfb, label + "@agg"))
-        yield from _comm(env, job, label, "send", [Send(r, final, tag + 1) for r in range(N)
+        yield from _comm(env, job, label, "send", [Send(r, final[0], tag + 1) for r in range(N)
                                                    if r != me])
     result = yield Compute(_decode_step, (env, job, codec, final, label))
     _write(job, lo, hi, result, N)
-    _stat(env, job.name, payload_bytes=int(own.size), raw_bytes=(hi - lo) * x.dtype.itemsize)
+    _stat(env, job.name, payload_bytes=int(own[0].size), raw_bytes=(hi - lo) * x.dtype.itemsize)
     job.part_done()
 
 
@@ -230,17 +251,17 @@ def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> 
     for s in range(N - 1):
         recv_idx = (me - s - 1) % N
         _, got = yield from _comm(env, job, label, "send+recv", [
-            Send(nxt, payload, tag + s), Recv(prv, tag + s, nbytes(recv_idx))])
+            Send(nxt, payload[0], tag + s), Recv(prv, tag + s, nbytes(recv_idx))])
         merged = yield Compute(_decode_sum_step, (env, job, codec, [got], f"{label}c{recv_idx}",
                                                   _own_chunk(job, chunk(recv_idx), ckey(recv_idx),
                                                              fb)))
         payload = yield Compute(_encode_step, (env, job, codec, merged, ckey(recv_idx),
                                                fb, f"{label}c{recv_idx}"))
     owned = (me + 1) % N if N > 1 else me
-    finals: Dict[int, np.ndarray] = {owned: payload}
+    finals: Dict[int, Any] = {owned: payload}
     if N > 1:
         got = yield from _comm(env, job, label, "allgather", [
-            Send(r, payload, tag + N + 0) for r in range(N) if r != me] + [
+            Send(r, payload[0], tag + N + 0) for r in range(N) if r != me] + [
             Recv(r, tag + N, nbytes((r + 1) % N)) for r in range(N) if r != me])
         others = [r for r in range(N) if r != me]
         for r, buf in zip(others, got[N - 1:]):
@@ -248,9 +269,13 @@ def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> 
     for j in range(N):
         res = yield Compute(_decode_step, (env, job, codec, finals[j], f"{label}c{j}"))
         _write(job, lo + b[j], lo + b[j + 1], res, N)
-    _stat(env, job.name, payload_bytes=int(sum(v.size for v in finals.values())),
+    _stat(env, job.name, payload_bytes=int(sum(_nbytes(v) for v in finals.values())),
           raw_bytes=(hi - lo) * x.dtype.itemsize)
     job.part_done()
+
+
+def _nbytes(buf: Any) -> int:
+    return int((buf[0] if isinstance(buf, tuple) else buf).size)
 
 
 def _own_chunk(job: Job, x: Any, key: str, feedback: bool) -> Any:
@@ -280,13 +305,13 @@ def gather_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     fb = job.contributes and job.memory.name != "none"
     own = yield Compute(_encode_step, (env, job, codec, job.flat, job.name, fb, "all"))
     got = yield from _comm(env, job, "all", "allgather", [
-        Send(r, own, tag) for r in range(N) if r != me] + [
+        Send(r, own[0], tag) for r in range(N) if r != me] + [
         Recv(r, tag, None) for r in range(N) if r != me])
     bufs = list(got[N - 1:])
     bufs.insert(me, own)
     total = yield Compute(_decode_sum_step, (env, job, codec, bufs, "all"))
     _write(job, 0, job.flat.size, total, N)
-    _stat(env, job.name, payload_bytes=int(own.size), raw_bytes=job.flat.nbytes)
+    _stat(env, job.name, payload_bytes=int(own[0].size), raw_bytes=job.flat.nbytes)
     job.part_done()
 
 
