@@ -135,9 +135,9 @@ def select_ge(flat: Any, t: Any, cap: int) -> Optional[Any]:
 def topk_indices(key: Any, k: int) -> Any:
     """Return the ascending positions of the ``k`` largest entries of ``key`` (exact).
 
-    One argpartition over all n keys, then a sort of the k positions (canonical payloads,
-    cache-friendly gathers and scatters). Ties at the k-th key are broken arbitrarily but
-    deterministically.
+    One partition over all n keys finds the k-th key; every position above it is kept and
+    ties at it are broken by position (lowest first), so CPU and GPU select the same set.
+    Positions come back ascending (canonical payloads, cache-friendly gathers).
 
     Args:
         key: 1-D array of n comparable keys (usually :func:`magnitude_key`).
@@ -151,7 +151,18 @@ def topk_indices(key: Any, k: int) -> Any:
     n = int(key.size)
     if k >= n:
         return xp.arange(n)
-    return xp.sort(xp.argpartition(key, n - k)[n - k :].astype(index_dtype(n)))
+    return _top_lowest_ties(key, k).astype(index_dtype(n))
+
+
+def _top_lowest_ties(key: Any, k: int) -> Any:
+    """Return ascending positions of the k largest keys; ties at the k-th: lowest first."""
+    xp = array_module(key)
+    m = int(key.size)
+    kth = xp.partition(key, m - k)[m - k]
+    mask = key > kth
+    ties = xp.flatnonzero(key == kth)[: k - int(mask.sum())]
+    mask[ties] = True
+    return xp.flatnonzero(mask)
 
 
 def topk_positions(flat: Any, k: int, rng: Optional[Any] = None) -> Any:
@@ -189,10 +200,8 @@ def topk_positions(flat: Any, k: int, rng: Optional[Any] = None) -> Any:
             m = int(cand.size)
             if m == k:
                 return cand
-            pick = xp.argpartition(magnitude_key(flat[cand]), m - k)[m - k :]
-            keep = xp.zeros(m, dtype=bool)
-            keep[pick] = True
-            return cand[keep]  # ascending, without sorting k positions
+            # cand is ascending, so lowest candidate position = lowest gradient position
+            return cand[_top_lowest_ties(magnitude_key(flat[cand]), k)]
         logger.debug("top-k prefilter caught %s candidates for k=%d of %d; exact pass",
                      "too many" if cand is None else cand.size, k, n)
     return topk_indices(magnitude_key(flat), k)
