@@ -391,12 +391,11 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     i = 0
     sent = 0
     while True:
-        try:
-            with env.timeline.span("encode", gradient=job.name, stage=i):
-                arr, op = stages.send(value)
-        except StopIteration as stop:
-            result, feedback = stop.value
+        step = yield Compute(_stage_step, (env, job.name, stages, value, i))
+        if step[0] == "done":
+            result, feedback = step[1]
             break
+        arr, op = step[1]
         host = to_host(arr).reshape(-1)
         sent += host.nbytes
         start = env.timeline.now_us()
@@ -415,6 +414,15 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     _write(job, 0, job.flat.size, xp.asarray(result).reshape(-1), N, scaled=True)
     _stat(env, job.name, payload_bytes=sent, raw_bytes=job.flat.nbytes)
     job.part_done()
+
+
+def _stage_step(env: TaskEnv, name: str, stages: Generator, value: Any, i: int) -> Tuple:
+    """Run a codec's reduce_stages up to its next reduction (on the compute pool)."""
+    with env.timeline.span("encode" if i == 0 else "stage", gradient=name, stage=i):
+        try:
+            return ("stage", stages.send(value))
+        except StopIteration as stop:
+            return ("done", stop.value)
 
 
 def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:
