@@ -35,7 +35,14 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["hipress", "hipress.*"]) + list(ADAPTERS),
     package_dir=ADAPTERS,
-    package_data={"hipress": ["data/gradients/*.json", "compll/specs/*.hpc"]},
+    package_data={
+        "hipress": [
+            "data/gradients/*.json",
+            "compll/specs/*.hpc",
+            "compll/grammar.lark",
+            "compll/LANGUAGE.md",
+        ]
+    },
     include_package_data=True,
     install_requires=[
         "numpy>=1.21",

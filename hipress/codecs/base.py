@@ -29,7 +29,7 @@ import abc
 import dataclasses
 import math
 import struct
-from typing import Any, Callable, ClassVar, Dict, Generator, List, Sequence, Tuple, Type
+from typing import Any, Callable, ClassVar, Dict, Generator, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
@@ -401,8 +401,31 @@ def register_codec(name: str, codec_id: int) -> Callable[[Type[Codec]], Type[Cod
     return deco
 
 
+_BUILTIN_SPECS_LOADED = False
+
+
+def _load_builtin_specs() -> None:
+    """Register the CompLL-generated codecs shipped with HiPress (``compll.*``), once.
+
+    Loaded lazily, on the first listing or ``compll.*`` lookup, so that importing the codec
+    library never pays for the DSL (sources are cached on disk after the first load).
+    """
+    global _BUILTIN_SPECS_LOADED
+    if not _BUILTIN_SPECS_LOADED:
+        _BUILTIN_SPECS_LOADED = True
+        from hipress.compll import register_builtin_specs
+
+        register_builtin_specs()
+
+
+def registered_codec(name: str) -> Optional[Type[Codec]]:
+    """Return the class registered under ``name`` now, or None (loads nothing)."""
+    return _REGISTRY.get(name)
+
+
 def codec_names() -> List[str]:
-    """Return the registered codec names, sorted."""
+    """Return the registered codec names (the CompLL-generated ``compll.*`` too), sorted."""
+    _load_builtin_specs()
     return sorted(_REGISTRY)
 
 
@@ -412,6 +435,8 @@ def codec_class(name: str) -> Type[Codec]:
     Raises:
         CodecError: no such codec; the message lists the valid names.
     """
+    if name not in _REGISTRY and name.startswith("compll."):
+        _load_builtin_specs()
     try:
         return _REGISTRY[name]
     except KeyError:

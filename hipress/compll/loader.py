@@ -1,0 +1,388 @@
+"""Turn a spec file into a registered codec: compile (or hit the disk cache), import, register.
+
+Generated modules are cached on disk under ``$HIPRESS_CACHE_DIR/compll`` (default
+``~/.cache/hipress/compll``), one folder per spec text, named ``<spec>-<sha256[:16]>``
+and holding ``codec.py`` (the module), ``kernels.cu`` (its CUDA source), ``plan.txt``
+and a copy of the spec. A cache hit imports ``codec.py`` without parsing the spec; Numba
+caches its compiled kernels beside it. Writes are atomic (temporary folder, then rename),
+so concurrent ranks can share a cache.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+
+import numpy as np
+
+from hipress.backend import array_module
+from hipress.codecs.base import Codec, Layout, register_codec, registered_codec
+from hipress.compll import runtime as _rt
+from hipress.errors import CodecError
+
+logger = logging.getLogger(__name__)
+
+SPEC_DIR = os.path.join(os.path.dirname(__file__), "specs")
+#: Codec ids of generated codecs lie in [ID_MIN, ID_MAX): above the hand-written ones.
+ID_MIN, ID_MAX = 1000, 65000
+
+_LOCK = threading.RLock()
+_BY_DIGEST: Dict[str, Type[Codec]] = {}
+_STATS = {"generated": 0, "disk_hits": 0, "memory_hits": 0}
+
+
+def cache_dir() -> str:
+    """Return the folder of generated modules (``$HIPRESS_CACHE_DIR/compll``)."""
+    root = os.environ.get("HIPRESS_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "hipress")
+    return os.path.join(root, "compll")
+
+
+def codec_id_for(spec_name: str) -> int:
+    """Return the wire id of generated codec ``spec_name``: a hash into [1000, 65000).
+
+    The id depends only on the name, so every rank derives the same one; a clash with
+    another registered codec is reported by :func:`load_spec` (rename the spec).
+    """
+    return ID_MIN + zlib.crc32(f"compll.{spec_name}".encode()) % (ID_MAX - ID_MIN)
+
+
+def cache_stats() -> Dict[str, int]:
+    """Return counters: specs generated, disk-cache hits, in-process hits."""
+    return dict(_STATS)
+
+
+# ----------------------------------------------------------------------- generate
+def build_sources(source: str, path: str = "<string>") -> Dict[str, Any]:
+    """Parse, check and generate a spec.
+
+    Returns:
+        ``{"name", "codec_name", "digest", "module", "cuda", "plan"}``.
+
+    Raises:
+        CompLLSyntaxError, CompLLTypeError: the spec is invalid.
+    """
+    from hipress.compll.check import check
+    from hipress.compll.codegen import generate, spec_digest
+    from hipress.compll.parser import parse
+
+    info = check(parse(source, path))
+    out = generate(info, source, os.path.basename(path))
+    out.update(name=info.name, codec_name=info.codec_name, digest=spec_digest(source))
+    return out
+
+
+def _import_module(path: str, digest: str) -> Any:
+    name = f"hipress_compll_gen_{digest[:16]}"
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return mod
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return mod
+
+
+def _write_cache(folder: str, built: Dict[str, Any], source: str) -> None:
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
+    try:
+        files = {"codec.py": built["module"], "kernels.cu": built["cuda"],
+                 "plan.txt": built["plan"], f"{built['name']}.hpc": source}
+        for fname, text in files.items():
+            with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
+                f.write(text)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not os.path.isdir(folder):  # pragma: no cover - a real failure
+                raise
+            # another process won the race: theirs is identical
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def module_for_source(source: str, path: str = "<string>") -> Any:
+    """Return the generated module of a spec's text, from the disk cache when possible."""
+    from hipress.compll.codegen import spec_digest
+
+    digest = spec_digest(source)
+    name = _spec_name_hint(source)
+    folder = os.path.join(cache_dir(), f"{name}-{digest[:16]}")
+    mod_path = os.path.join(folder, "codec.py")
+    if os.path.isfile(mod_path):
+        try:
+            mod = _import_module(mod_path, digest)
+            if getattr(mod, "SPEC_SHA256", None) == digest:
+                _STATS["disk_hits"] += 1
+                return mod
+        except Exception as exc:  # a damaged cache entry: regenerate
+            logger.warning("discarding damaged CompLL cache entry %s (%s)", folder, exc)
+        shutil.rmtree(folder, ignore_errors=True)
+    built = build_sources(source, path)
+    _STATS["generated"] += 1
+    try:
+        _write_cache(folder, built, source)
+    except OSError as exc:
+        logger.warning("cannot write the CompLL cache at %s (%s); set HIPRESS_CACHE_DIR to a "
+                       "writable folder", folder, exc)
+        folder = tempfile.mkdtemp(prefix="hipress-compll-")
+        _write_cache(os.path.join(folder, "m"), built, source)
+        mod_path = os.path.join(folder, "m", "codec.py")
+    return _import_module(mod_path, digest)
+
+
+def _spec_name_hint(source: str) -> str:
+    """Return the codec name of a spec's header (for the cache folder name), or "spec"."""
+    import re
+
+    m = re.search(r"\bcodec\s+([a-z][a-z0-9_]*)", source)
+    return m.group(1) if m else "spec"
+
+
+# ------------------------------------------------------------------- codec class
+def _check_param(p: Dict[str, Any], value: Any, codec: str) -> Any:
+    kind, name = p["kind"], p["name"]
+    where = f"{codec} parameter {name!r}"
+    if kind == "bool":
+        if not isinstance(value, (bool, np.bool_)):
+            raise CodecError(f"{where} must be true or false, got {value!r}")
+        return bool(value)
+    if isinstance(value, (bool, np.bool_)):
+        raise CodecError(f"{where} must be a number, got {value!r}")
+    try:
+        v = float(value) if kind in ("float", "double") else value
+        if kind in ("int", "long"):
+            if isinstance(value, float) and value.is_integer():
+                v = int(value)
+            if not isinstance(v, (int, np.integer)):
+                raise TypeError
+            v = int(v)
+    except (TypeError, ValueError):
+        what = "an integer" if kind in ("int", "long") else "a number"
+        raise CodecError(f"{where} must be {what}, got {value!r}") from None
+    lo, hi = p["lo"], p["hi"]
+    bad = (isinstance(v, float) and math.isnan(v)) or \
+        (lo is not None and (v < lo or (v == lo and not p["lo_closed"]))) or \
+        (hi is not None and (v > hi or (v == hi and not p["hi_closed"])))
+    if bad:
+        raise CodecError(f"{where} must be in {p['range']}, got {value!r}")
+    if kind == "float":
+        return np.float32(v)
+    if kind == "double":
+        return np.float64(v)
+    if kind == "int" and not -2**31 <= v < 2**31:
+        raise CodecError(f"{where} must fit in 32 bits, got {value!r}")
+    return v
+
+
+class CompLLCodec(Codec):
+    """Base of codecs generated from CompLL specs (one subclass per spec).
+
+    The subclass's ``spec`` attribute is the generated module; its header flags become the
+    capability flags. Parameters are the spec's ``param`` declarations (validated against
+    their declared ranges); stochastic specs also take ``seed`` (an integer in [0, 2**32))
+    and keep one step counter per gradient name, checkpointed by :meth:`state_dict`, plus
+    ``rank`` (set by the engine) so that ``random`` draws independently on each rank.
+    """
+
+    spec: Any = None
+
+    def __init__(self, **params: Any) -> None:
+        mod = self.spec
+        known = {p["name"]: p for p in mod.PARAMS}
+        allowed = set(known) | ({"seed"} if self.stochastic else set())
+        extra = sorted(set(params) - allowed)
+        if extra:
+            raise CodecError(f"unknown parameter(s) {extra} for codec {self.name!r}; valid: "
+                             f"{sorted(allowed) or 'none'}")
+        self._raw = {p["name"]: params.get(p["name"], p["default"]) for p in mod.PARAMS}
+        self._P = {k: _check_param(known[k], v, self.name) for k, v in self._raw.items()}
+        self.seed = 0
+        self.rank = 0
+        self._steps: Dict[str, int] = {}
+        self._steps_lock = threading.Lock()
+        if self.stochastic:
+            seed = params.get("seed", 0)
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
+                    not 0 <= int(seed) < 2**32:
+                raise CodecError(f"{self.name} seed must be an integer in [0, 2**32), got "
+                                 f"{seed!r}")
+            self.seed = int(seed)
+            self._raw["seed"] = self.seed
+
+    def params(self) -> Dict[str, Any]:
+        """Return the constructor parameters."""
+        return dict(self._raw)
+
+    def _context(self, name: str) -> _rt.EncodeContext:
+        if not self.stochastic:
+            return _rt.EncodeContext(name)
+        with self._steps_lock:
+            step = self._steps.get(name, 0)
+            self._steps[name] = step + 1
+        return _rt.EncodeContext(name, self.seed, step, self.rank)
+
+    def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
+        xp = array_module(flat)
+        want = self.spec.INPUT_DTYPE
+        g = flat if flat.dtype == want else flat.astype(want)
+        if g.size >= 2**31:
+            raise CodecError(f"{self.name}: gradients of 2**31 elements or more are not "
+                             "supported by CompLL codecs (int32 indices); partition it")
+        with np.errstate(all="ignore"):
+            return self.spec.encode(xp, g, self._P, self._context(name))
+
+    def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
+        n = math.prod(shape)
+        xp = array_module(sections[0]) if sections else np
+        with np.errstate(all="ignore"):
+            out = self.spec.decode(xp, list(sections), n, self._P, _rt.EncodeContext(""))
+        return out.astype(dtype, copy=False)
+
+    def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
+        return [(np.dtype(dt), int(c)) for dt, c in self.spec.layout(math.prod(shape), self._P)]
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Return ``{"steps": {gradient name: next step}}`` (empty for deterministic specs)."""
+        if not self.stochastic:
+            return {}
+        with self._steps_lock:
+            return {"steps": dict(self._steps)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the step counters of :meth:`state_dict`.
+
+        Raises:
+            CodecError: unknown keys or a step that is not an integer >= 0.
+        """
+        if not self.stochastic:
+            super().load_state_dict(state)
+            return
+        extra = set(state) - {"steps"}
+        if extra:
+            raise CodecError(f"unknown codec state keys {sorted(extra)}; expect only 'steps'")
+        steps = {}
+        for k, v in dict(state.get("steps", {})).items():
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise CodecError(f"step counter of {k!r} must be an integer >= 0, got {v!r}")
+            steps[str(k)] = int(v)
+        with self._steps_lock:
+            self._steps = steps
+
+
+def _make_class(mod: Any) -> Type[Codec]:
+    flags = mod.FLAGS
+    doc = (f"CompLL codec generated from spec {mod.SPEC_NAME!r}.\n\n"
+           f"Parameters: {', '.join(p['name'] for p in mod.PARAMS) or 'none'}.")
+    cls = type(f"CompLL_{mod.SPEC_NAME}", (CompLLCodec,), {
+        "__doc__": doc, "__module__": __name__, "spec": mod,
+        "variable_size": bool(flags["variable_size"]), "stochastic": bool(flags["stochastic"]),
+        "lossless": bool(flags["lossless"]), "error_feedback": bool(flags["error_feedback"]),
+        "summable": False,
+    })
+    return cls
+
+
+def load_source(source: str, path: str = "<string>") -> Type[Codec]:
+    """Compile spec text (or reuse it) and register its codec; return the codec class.
+
+    Loading the same text twice returns the same class. A different spec that claims a
+    registered codec name, or whose id clashes with another codec, raises.
+
+    Raises:
+        CompLLSyntaxError, CompLLTypeError: the spec is invalid.
+        CodecError: the codec name or id is taken by another codec.
+    """
+    from hipress.compll.codegen import spec_digest
+
+    digest = spec_digest(source)
+    with _LOCK:
+        cls = _BY_DIGEST.get(digest)
+        if cls is not None:
+            _STATS["memory_hits"] += 1
+            return cls
+        mod = module_for_source(source, path)
+        name = mod.CODEC_NAME
+        existing = registered_codec(name)
+        if existing is not None:
+            old = getattr(existing, "spec", None)
+            raise CodecError(
+                f"codec name {name!r} is already registered"
+                + (f" by another spec (sha {old.SPEC_SHA256[:12]})" if old is not None else "")
+                + f"; rename the spec in {path} ('codec <name> {{...}}')")
+        cls = _make_class(mod)
+        register_codec(name, codec_id_for(mod.SPEC_NAME))(cls)
+        _BY_DIGEST[digest] = cls
+        logger.debug("registered CompLL codec %s (id %d) from %s", name, cls.codec_id, path)
+        return cls
+
+
+def load_spec(path: str) -> Type[Codec]:
+    """Load a ``.hpc`` spec file and register its codec (``compll.<name>``).
+
+    Args:
+        path: the spec file.
+
+    Returns:
+        The registered Codec subclass; build instances with ``cls(**params)`` or
+        ``hipress.codecs.get_codec(cls.name, **params)``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        CompLLSyntaxError, CompLLTypeError: the spec is invalid (line and column given).
+        CodecError: its name or id clashes with a registered codec.
+    """
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    return load_source(source, path)
+
+
+def builtin_spec_paths() -> List[str]:
+    """Return the paths of the specs shipped with HiPress, sorted."""
+    return sorted(os.path.join(SPEC_DIR, f) for f in os.listdir(SPEC_DIR) if f.endswith(".hpc"))
+
+
+def register_builtin_specs() -> List[str]:
+    """Load every shipped spec (idempotent); return their codec names."""
+    return [load_spec(p).name for p in builtin_spec_paths()]
+
+
+def resolve_algorithm(algorithm: str) -> str:
+    """Return the registered codec name for a config's ``compression.algorithm``.
+
+    A value ending in ``.hpc`` is a spec file: it is loaded (compiled or taken from the
+    cache) and its codec name ``compll.<name>`` returned. A ``compll.*`` name loads the
+    shipped specs first. Any other name is returned unchanged.
+
+    Raises:
+        FileNotFoundError: the spec file does not exist.
+        CompLLError: the spec is invalid.
+    """
+    if algorithm.endswith(".hpc"):
+        return load_spec(os.path.expanduser(algorithm)).name
+    if algorithm.startswith("compll."):
+        register_builtin_specs()
+    return algorithm
+
+
+def spec_path_for(name: str) -> Optional[str]:
+    """Return the shipped spec file of ``name`` (``onebit`` or ``compll.onebit``), if any."""
+    short = name.split(".", 1)[1] if name.startswith("compll.") else name
+    path = os.path.join(SPEC_DIR, f"{short}.hpc")
+    return path if os.path.isfile(path) else None
