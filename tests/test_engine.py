@@ -22,6 +22,7 @@ CORE_CASES = [
     "fp16_no_overflow",
     "partitions_and_fusion",
     "duplicate_inflight_name",
+    "powersgd_compresses_matrices",
     "low_precision_dtypes",
 ]
 
@@ -50,6 +51,10 @@ def test_error_feedback_tracks_running_sum(np_):
     run_cases(np_, ["error_feedback_tracks_sum"])
 
 
+def test_secopa_plan_auto_is_followed():
+    run_cases(2, ["plan_auto_followed"])
+
+
 def test_gather_path_values_world2():
     run_cases(2, ["gather_topk"])
 
@@ -67,6 +72,12 @@ def test_stall_fails_every_rank_naming_gradient_and_ranks():
     for line in stalls:
         assert "'grad/a' not submitted by rank(s) [1]" in line
         assert "'grad/a_1' not submitted by rank(s) [0]" in line
+
+
+def test_failure_on_one_rank_fails_every_rank_quickly():
+    t0 = time.monotonic()
+    run_cases(3, ["nonfinite_one_rank_fails_all"], timeout=60, env={"STALL": "60"})
+    assert time.monotonic() - t0 < 40
 
 
 def test_dead_rank_does_not_hang_the_others():

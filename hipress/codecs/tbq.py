@@ -73,7 +73,8 @@ class TBQCodec(Codec):
     many steps. The codec is biased: run it with error feedback (``error_feedback = True``).
 
     Args:
-        threshold: tau, a finite float > 0 that is still > 0 as float32 (gradient units).
+        threshold: tau, a finite float > 0 that is still > 0 as float32 (gradient units;
+            default 0.01). Tune it to the model: about the typical gradient magnitude.
 
     Raises:
         CodecError: ``threshold`` is missing, not a number, not finite or not > 0.
@@ -82,7 +83,7 @@ class TBQCodec(Codec):
     error_feedback = True
     use_fast_path = True
 
-    def __init__(self, threshold: float = 0.0) -> None:
+    def __init__(self, threshold: float = 0.01) -> None:
         try:
             t = float(threshold)
         except (TypeError, ValueError):

@@ -38,6 +38,7 @@ from hipress.engine import tasks as T
 from hipress.engine.scheduler import Scheduler
 from hipress.errors import HiPressError, StallError, SyncError
 from hipress.memory import Memory, get_memory
+from hipress.secopa.runtime import PlanFollower
 from hipress.timeline import Timeline, write_trace
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class Handle:
 
 class _Submission:
     __slots__ = ("name", "array", "average", "codec", "codec_key", "strategy", "contributes",
-                 "handle", "kind", "root", "seq")
+                 "handle", "kind", "root", "seq", "partitions")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -113,6 +114,7 @@ class Engine:
         self._inflight: Dict[str, _Submission] = {}
         self._seq = 0
         self._error: Optional[BaseException] = None
+        self._local_error: Optional[BaseException] = None
         self._shutdown = threading.Event()
         self._wake = threading.Event()
         # negotiation state (background thread only)
@@ -125,6 +127,9 @@ class Engine:
         self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
                                 config.sync.stall_timeout_s)
         self._tag_task_bits = max(4, world.tag_bits - _SUB_BITS)
+        # SeCoPa (sync.plan): collective on every rank, before the engine thread starts
+        self._plan = PlanFollower(config, world, _build_codec)
+        self._plan.setup()
         if self.size + 2 > (1 << _SUB_BITS):
             raise HiPressError(f"world size {self.size} exceeds {(1 << _SUB_BITS) - 2}")
         self._thread = threading.Thread(target=self._run, name="hipress-engine", daemon=True)
@@ -143,10 +148,16 @@ class Engine:
             raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
         check_gradient_dtype(array.dtype, f"gradient {name!r}")
         cobj, key = self._resolve_codec(name, array, codec)
+        strategy = strategy or self.cfg.sync.strategy
+        parts = None
+        if cobj is not None and self._plan.active:
+            compress, parts, strategy = self._plan.decide(name, array, cobj, strategy)
+            if not compress:
+                cobj, key, parts = None, "none", None
         sub = _Submission(name=name, array=array, average=(op == "average"), codec=cobj,
-                          codec_key=key, strategy=strategy or self.cfg.sync.strategy,
+                          codec_key=key, strategy=strategy,
                           contributes=bool(contributes), handle=Handle(name), kind="allreduce",
-                          root=-1, seq=0)
+                          root=-1, seq=0, partitions=parts)
         self._enqueue(sub)
         return sub.handle
 
@@ -157,7 +168,7 @@ class Engine:
             raise ValueError(f"root rank {root} is outside [0, {self.size})")
         sub = _Submission(name=name, array=array, average=False, codec=None, codec_key="bcast",
                           strategy="bcast", contributes=True, handle=Handle(name),
-                          kind="broadcast", root=root, seq=0)
+                          kind="broadcast", root=root, seq=0, partitions=None)
         self._enqueue(sub)
         return sub.handle
 
@@ -216,7 +227,8 @@ class Engine:
         """Pick the codec of one gradient: explicit > warm-up > min size > rule > default."""
         comp = self.cfg.compression
         if (self.step_count < comp.warmup_steps
-                or array.size * array.dtype.itemsize < comp.min_compress_bytes):
+                or (not self._plan.active
+                    and array.size * array.dtype.itemsize < comp.min_compress_bytes)):
             return None, "none"
         if isinstance(codec, Codec):
             key = _codec_key(codec.name, codec.params())
@@ -340,7 +352,13 @@ class Engine:
         phase, req, round_start, lens, msg, last_round = 0, None, 0.0, None, b"", 0.0
         idle_rounds = 0
         while True:
-            progressed = self._sched.poll() if self._sched.busy else False
+            progressed = False
+            if self._sched.busy and self._local_error is None:
+                try:
+                    progressed = self._sched.poll()
+                except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
+                    self._local_error = exc
+                    self._wake.set()
             now = time.monotonic()
             if phase == 0:
                 wait = cycle * min(1 + idle_rounds, 10)
@@ -389,10 +407,12 @@ class Engine:
                 self._pending_local[sub.name] = sub
                 new.append([sub.name, int(sub.array.size), dtype_code(sub.array.dtype),
                             sub.codec_key, "average" if sub.average else "sum", sub.kind,
-                            sub.root, sub.strategy or ""])
+                            sub.root, sub.strategy or "", sub.partitions or 0])
             queue_empty = not self._queue
         bye = self._shutdown.is_set() and queue_empty and not self._sched.busy
         msg: Dict[str, Any] = {"new": new, "bye": bye}
+        if self._local_error is not None:
+            msg["error"] = f"{type(self._local_error).__name__}: {self._local_error}"
         if self.rank == 0:
             msg["stall"] = self._stalled()
         return json.dumps(msg).encode()
@@ -420,6 +440,15 @@ class Engine:
                 "must synchronize the same gradient names; check for parameters that exist or "
                 "are used on some ranks only, or for rank-dependent names"
             )
+        failed = [(r, m["error"]) for r, m in enumerate(msgs) if m.get("error")]
+        if failed:
+            if self._local_error is not None:
+                raise self._local_error
+            r, err = failed[0]
+            raise SyncError(
+                f"rank {r} failed while synchronizing ({err}); every rank stops. Fix the "
+                f"cause on rank {r} (its own traceback names it)"
+            )
         ready = []
         for r, m in enumerate(msgs):
             for i, entry in enumerate(m["new"]):
@@ -439,14 +468,15 @@ class Engine:
             metas = ent["meta"]
             first = metas[0]
             # broadcast: only the root knows the size; compare kind and root alone
-            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 6)
+            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 8)
             bad = [r for r in range(self.size) if metas[r][sl] != first[sl]]
             if bad:
-                desc = {r: dict(zip(("numel", "dtype", "codec", "op", "kind", "root"),
-                                    metas[r][:6])) for r in [0] + bad}
+                keys = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions")
+                desc = {r: dict(zip(keys, metas[r])) for r in [0] + bad}
                 raise SyncError(
                     f"ranks disagree about gradient {name!r}: {desc}. Every rank must submit "
-                    "the same shape, dtype, op and compression for a name"
+                    "the same shape, dtype, op, compression and strategy for a name (and use "
+                    "the same config and SeCoPa plan)"
                 )
             started.append(self._pending_local.pop(name))
         if started:
@@ -480,7 +510,7 @@ class Engine:
                 self._sched.add(T.gather_task(self.env, job, self._next_tag()), sub.name)
             else:
                 n = job.flat.size
-                parts = min(self._partitions(n * job.flat.dtype.itemsize), n)
+                parts = min(sub.partitions or self._partitions(n * job.flat.dtype.itemsize), n)
                 bounds = T._bounds(n, parts)
                 job.parts_left = parts
                 for p in range(parts):
@@ -494,16 +524,17 @@ class Engine:
                     self._sched.add(gen, f"{sub.name}#p{p}")
         limit = self.cfg.sync.fusion_threshold_bytes
         for jobs in fused.values():
-            bucket: List[T.Job] = []
+            buckets: List[List[T.Job]] = [[]]
             nbytes = 0
             for job in jobs:
-                if bucket and nbytes + job.flat.nbytes > limit:
-                    self._sched.add(T.fused_task(self.env, bucket, self._next_tag()), "fused")
-                    bucket, nbytes = [], 0
-                bucket.append(job)
+                if buckets[-1] and nbytes + job.flat.nbytes > limit:
+                    buckets.append([])
+                    nbytes = 0
+                buckets[-1].append(job)
                 nbytes += job.flat.nbytes
-            if bucket:
-                self._sched.add(T.fused_task(self.env, bucket, self._next_tag()), "fused")
+            # buckets of one round run one after another: all at once they thrash memory
+            tags = [self._next_tag() for _ in buckets]
+            self._sched.add(T.fused_chain_task(self.env, buckets, tags), "fused")
 
     def _job(self, sub: _Submission, path: str) -> T.Job:
         arr = sub.array
@@ -521,8 +552,8 @@ class Engine:
                 res = job.out.reshape(sub.array.shape)
             self._complete(sub, res)
 
-        return T.Job(sub.name, flat, out, sub.average, sub.codec, memory, sub.contributes,
-                     on_done=done)
+        return T.Job(sub.name, flat, out, tuple(arr.shape), sub.average, sub.codec, memory,
+                     sub.contributes, on_done=done)
 
     def _write_timeline(self) -> None:
         path = self.cfg.timeline

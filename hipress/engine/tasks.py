@@ -65,6 +65,7 @@ class Job:
     name: str
     flat: Any
     out: Any
+    shape: Tuple[int, ...]
     average: bool
     codec: Optional[Codec]
     memory: Memory
@@ -385,7 +386,8 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     codec, N = job.codec, env.size
     fb = job.contributes and job.memory.name != "none"
     xp = array_module(job.flat)
-    x = job.memory.compensate(job.name, job.flat) if fb else job.flat
+    shaped = job.flat.reshape(job.shape)  # low-rank codecs need the matrix, not a vector
+    x = job.memory.compensate(job.name, shaped) if fb else shaped
     stages = codec.reduce_stages(x, job.name, N, 1.0 / N if job.average else 1.0)
     value: Any = None
     i = 0
@@ -451,6 +453,13 @@ def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:
               payload_bytes=int(j.flat.nbytes), raw_bytes=int(j.flat.nbytes))
         pos += n
         j.part_done()
+
+
+def fused_chain_task(env: TaskEnv, buckets: Sequence[Sequence[Job]],
+                     tags: Sequence[int]) -> Generator:
+    """Run :func:`fused_task` for each bucket in turn (one fused buffer in flight)."""
+    for bucket, tag in zip(buckets, tags):
+        yield from fused_task(env, bucket, tag)
 
 
 def broadcast_task(env: TaskEnv, job: Job, root: int, tag: int) -> Generator:

@@ -227,6 +227,45 @@ def partitions_and_fusion():
 
 
 @case
+def powersgd_compresses_matrices():
+    """PowerSGD gets the gradient's matrix shape: payload ~ (m + n) * r, not m * n."""
+    r, n = hp.rank(), hp.size()
+    rng = np.random.default_rng(5 + r)
+    u = rng.standard_normal((256, 1)).astype(np.float32)
+    g = u @ np.ones((1, 128), np.float32)  # rank 1: PowerSGD r=1 recovers it closely
+    out = hp.allreduce(g, "psgd.w", codec=hp_codec("powersgd", rank=1))
+    st = hp.stats()["psgd.w"]
+    assert st["strategy"] == "allreduce" and st["compression_ratio"] > 50, st
+    comm = mpi_world()
+    ref = np.empty_like(g)
+    comm.Allreduce(g, ref)
+    ref /= n
+    assert np.linalg.norm(out - ref) <= 0.35 * np.linalg.norm(ref), (
+        np.linalg.norm(out - ref), np.linalg.norm(ref))
+    same_everywhere(out.tobytes(), "psgd")
+
+
+@case
+def plan_auto_followed():
+    """sync.plan: auto profiles at init; big gradients get compressed, tiny ones do not."""
+    hp.shutdown()
+    hp.init({"compression": {"algorithm": "onebit"}, "sync": {"plan": "auto"},
+             "logging": {"level": "WARNING"}})
+    r = hp.rank()
+    rng = np.random.default_rng(r)
+    grads = {"plan.big": rng.standard_normal((1024, 1024)).astype(np.float32),
+             "plan.tiny": rng.standard_normal(16).astype(np.float32)}
+    hs = {k: hp.allreduce_async(v, k) for k, v in grads.items()}
+    for k, h in hs.items():
+        out = hp.synchronize(h)
+        same_everywhere(out.tobytes(), k)
+    st = hp.stats()
+    assert st["plan.tiny"]["codec"] == "none", st["plan.tiny"]
+    if hp.size() > 1:
+        assert st["plan.big"]["codec"] == "onebit", st["plan.big"]
+
+
+@case
 def duplicate_inflight_name():
     h = hp.allreduce_async(np.ones(3, np.float32), "dup")
     try:
@@ -295,6 +334,27 @@ def dead_rank():
         time.sleep(0.01)
 
 
+@case
+def nonfinite_one_rank_fails_all():
+    """A NaN on rank 1 only: rank 1 raises NonFiniteGradientError, the others a SyncError
+    naming rank 1, all within seconds (not after the stall timeout)."""
+    r = hp.rank()
+    g = np.ones(64, np.float32)
+    if r == 1:
+        g[5] = np.nan
+    t0 = time.monotonic()
+    try:
+        hp.allreduce(g, "nan.grad", codec="onebit", strategy="ps")
+    except Exception as exc:  # noqa: BLE001
+        want = "NonFiniteGradientError" if r == 1 else "SyncError"
+        assert type(exc).__name__ == want, repr(exc)
+        if r != 1:
+            assert "rank 1 failed" in str(exc) and "nan.grad" in str(exc), str(exc)
+        assert time.monotonic() - t0 < 10
+    else:
+        raise AssertionError("NaN gradient was synchronized")
+
+
 def hp_rank0():
     return _rank == 0
 
@@ -307,7 +367,8 @@ def main():
     for name in sys.argv[1:]:
         CASES[name]()
         print(f"rank {_rank} PASS {name}", flush=True)
-    if hp.is_initialized() and "stall_names_missing_rank" not in sys.argv:
+    if hp.is_initialized() and not {"stall_names_missing_rank",
+                                    "nonfinite_one_rank_fails_all"} & set(sys.argv):
         hp.shutdown()
 
 

@@ -1,0 +1,132 @@
+"""Zero-copy conversion between torch tensors and the core's NumPy/CuPy arrays.
+
+- CPU tensors become NumPy arrays sharing their memory (``Tensor.numpy()``); bfloat16,
+  which NumPy lacks, is viewed as int16 and reinterpreted as ``hipress.backend.bfloat16``
+  (``ml_dtypes``), still without a copy.
+- CUDA tensors become CuPy arrays through DLPack (``cupy.from_dlpack``), which also orders
+  the CuPy stream after the tensor's producer stream.
+- Arrays come back through ``torch.from_numpy`` / ``torch.from_dlpack``.
+
+The NumPy array keeps the tensor alive (it is the array's base), so a submitted gradient
+stays valid until the engine is done with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from hipress.backend import bfloat16, is_gpu_array
+
+
+def to_array(tensor: torch.Tensor) -> Any:
+    """Return a NumPy (CPU) or CuPy (CUDA) array sharing ``tensor``'s memory.
+
+    Args:
+        tensor: a dense (strided) tensor on the CPU or a CUDA device; autograd history is
+            dropped (``detach``), the memory is shared.
+
+    Returns:
+        ``numpy.ndarray`` or ``cupy.ndarray`` of the same shape, strides and dtype
+        (bfloat16 as ``ml_dtypes.bfloat16``).
+
+    Raises:
+        TypeError: a sparse tensor, a device other than CPU/CUDA, or a bfloat16 CUDA tensor
+            (CuPy has no bfloat16; cast it to float32 or float16).
+    """
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"cannot share a {t.layout} tensor with the core; densify it with .to_dense()"
+        )
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.device.type == "cpu":
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(bfloat16)
+        return t.numpy()
+    if t.device.type == "cuda":
+        if t.dtype == torch.bfloat16:
+            raise TypeError(
+                "bfloat16 CUDA tensors cannot cross to CuPy, which has no bfloat16 dtype; "
+                "keep gradients in float32/float16 on the GPU or move them to the CPU"
+            )
+        import cupy
+
+        return cupy.from_dlpack(t)
+    raise TypeError(f"tensors on device {t.device} are not supported; use the CPU or CUDA")
+
+
+def from_array(array: Any, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Return a tensor sharing ``array``'s memory (NumPy -> CPU, CuPy -> CUDA).
+
+    Args:
+        array: a NumPy or CuPy array (bfloat16 NumPy arrays become torch.bfloat16).
+        like: if given, the result is moved/cast to ``like``'s device and dtype (a copy
+            only when they differ).
+
+    Returns:
+        The tensor. A read-only NumPy array is copied first (torch tensors are writable).
+    """
+    if is_gpu_array(array):
+        out = torch.from_dlpack(array)
+    else:
+        a = np.asarray(array)
+        if not a.flags.writeable:
+            a = a.copy()
+        if a.dtype == bfloat16:
+            out = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        else:
+            out = torch.from_numpy(a)
+    if like is not None and (out.device != like.device or out.dtype != like.dtype):
+        out = out.to(device=like.device, dtype=like.dtype)
+    return out
+
+
+def is_tensor(x: Any) -> bool:
+    """Return True for a torch tensor (the leaf test used on nested states)."""
+    return isinstance(x, torch.Tensor)
+
+
+def is_core_array(x: Any) -> bool:
+    """Return True for a NumPy or CuPy array."""
+    return isinstance(x, np.ndarray) or is_gpu_array(x)
+
+
+def tensor_meta(t: torch.Tensor) -> tuple:
+    """Return ``(shape, dtype name)`` of ``t``, picklable (the skeleton of a broadcast)."""
+    return tuple(t.shape), str(t.dtype).replace("torch.", "")
+
+
+def empty_from_meta(meta: tuple) -> torch.Tensor:
+    """Return an uninitialized CPU tensor for a ``tensor_meta`` result."""
+    shape, dtype = meta
+    return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def engine_state_to_torch(state: Any) -> Any:
+    """Turn the NumPy arrays and NumPy scalars of an engine state into tensors / Python values.
+
+    So that ``torch.save`` of an optimizer state dict loads with ``torch.load``'s default
+    ``weights_only=True``.
+    """
+    from hipress.adapter_common import tree_map
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, np.generic):
+            return x.item()
+        return from_array(np.array(x, copy=True))
+
+    return tree_map(conv, state, lambda x: isinstance(x, (np.ndarray, np.generic)))
+
+
+def engine_state_from_torch(state: Any) -> Any:
+    """Invert :func:`engine_state_to_torch`: tensors become NumPy arrays (copied)."""
+    from hipress.adapter_common import tree_map
+
+    def conv(t: torch.Tensor) -> np.ndarray:
+        return np.array(to_array(t.detach().cpu()), copy=True)
+
+    return tree_map(conv, state, is_tensor)

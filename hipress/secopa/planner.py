@@ -1,0 +1,501 @@
+"""SeCoPa's planner: compress or not, how many partitions and which path, per gradient.
+
+For each gradient the planner evaluates the cost model (:mod:`hipress.secopa.cost`) for
+every option and keeps the cheapest (Bai et al., SOSP'21, section 4):
+
+1. Options: leave it uncompressed (fused allreduce), or compress it on each path the
+   engine would allow for the codec and strategy (:func:`~hipress.secopa.cost.engine_paths`)
+   with K partitions for every K in :func:`partition_candidates` (PS and Ring; the
+   other paths take no partitions): every integer up to 32, then a geometric grid with
+   ratio about 1.1 up to ``max_partitions`` (default 1024), all <= numel. Small K are
+   where the optimum usually lies and where one partition more matters; for huge
+   gradients (VGG-19's fc6 is 411 MB) the optimum can be in the hundreds, where a 10 %
+   grid is as good as exhaustive for a model whose inputs are measured to a few percent.
+2. Never compressed: a gradient with 0 elements, no codec or the ``none`` codec, and a
+   gradient whose compression ratio for the codec (original bytes / payload bytes, from
+   ``codec.compression_ratio`` at the gradient's shape; flat when unknown) is <= 1: the
+   wire would not get smaller.
+3. Ties go to the option listed first: uncompressed, then paths in the order ps, ring,
+   allreduce, gather, then the smaller K.
+
+The plan's total is the sum of the chosen options plus the fused allreduce's fixed cost
+once if any gradient is uncompressed. Because that fixed cost is shared, the planner also
+compares with the best all-compressed plan and keeps the cheaper, which makes the plan the
+exact minimum of the model over every combination of per-gradient options. :func:`decide`
+(one gradient at a time, used at run time) treats the shared fixed cost as already paid.
+
+Baselines predicted alongside (same model): ``compress_everything`` (every gradient with
+an element compressed, best path and K each), ``compress_nothing`` and ``threshold`` (the
+engine's default policy: compress gradients of at least ``min_compress_bytes`` bytes, in
+``ceil(bytes / partition_bytes)`` partitions, on the engine's default path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
+
+from hipress.codecs import Codec
+from hipress.secopa.cost import DEFAULT_FUSION_BYTES, Cost, CostModel, engine_paths
+from hipress.secopa.errors import PlanError, SeCoPaError, format_validation_error
+from hipress.secopa.profile import Profile
+
+PLAN_VERSION = 1
+#: default upper bound of partitions per gradient
+DEFAULT_MAX_PARTITIONS = 1024
+#: every K up to this is a candidate; above it a geometric grid (ratio _K_RATIO)
+_K_DENSE = 32
+_K_RATIO = 1.1
+#: the engine's defaults, for the ``threshold`` baseline
+DEFAULT_MIN_COMPRESS_BYTES = 65536
+DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+#: names of the predicted totals
+TOTALS = ("plan", "compress_everything", "threshold", "compress_nothing")
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+Strategy = Literal["ps", "ring", "allreduce", "gather", "fused"]
+
+
+class PlanEntry(BaseModel):
+    """The decision for one gradient.
+
+    Attributes:
+        name: the gradient's name.
+        numel: its number of elements.
+        compress: compress it (else it goes uncompressed through fused buffers).
+        partitions: partitions K (1 unless the strategy is ps or ring).
+        strategy: the engine path: ps, ring, allreduce, gather, or fused (uncompressed).
+        predicted_ms: the model's time for it, milliseconds.
+    """
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    numel: int = Field(ge=0)
+    compress: bool
+    partitions: int = Field(ge=1)
+    strategy: Strategy
+    predicted_ms: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanEntry:
+        if self.partitions > max(self.numel, 1):
+            raise ValueError(f"partitions ({self.partitions}) must be <= numel ({self.numel})")
+        if not self.compress and self.strategy != "fused":
+            raise ValueError(f"an uncompressed gradient has strategy 'fused', got "
+                             f"{self.strategy!r}")
+        if self.compress and self.strategy == "fused":
+            raise ValueError("a compressed gradient needs strategy ps, ring, allreduce or gather")
+        if self.strategy not in ("ps", "ring") and self.partitions != 1:
+            raise ValueError(f"strategy {self.strategy!r} takes 1 partition, got "
+                             f"{self.partitions}")
+        return self
+
+
+class Plan(BaseModel):
+    """A per-gradient SeCoPa plan (the ``sync.plan`` file).
+
+    Attributes:
+        version: file format version (:data:`PLAN_VERSION`).
+        codec: codec name the plan was made for; codec_params: its parameters.
+        strategy: the strategy asked for (ps, ring or auto).
+        world_size: N the plan was made for.
+        feedback: residual error feedback was assumed on.
+        max_partitions: the search bound for K.
+        profile: where the costs came from (path, world size, hosts, created).
+        predicted_ms: per-iteration totals: plan, compress_everything, threshold,
+            compress_nothing.
+        gradients: one :class:`PlanEntry` per gradient, names unique.
+    """
+
+    model_config = _STRICT
+
+    version: Literal[1]
+    codec: str = Field(min_length=1)
+    codec_params: Dict[str, Any] = Field(default_factory=dict)
+    strategy: Literal["ps", "ring", "auto"]
+    world_size: int = Field(ge=1)
+    feedback: bool = False
+    max_partitions: int = Field(DEFAULT_MAX_PARTITIONS, ge=1)
+    profile: Dict[str, Any] = Field(default_factory=dict)
+    predicted_ms: Dict[str, float] = Field(default_factory=dict)
+    gradients: List[PlanEntry]
+    _index: Optional[Dict[str, PlanEntry]] = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Plan:
+        seen: Dict[str, int] = {}
+        for i, g in enumerate(self.gradients):
+            if g.name in seen:
+                raise ValueError(f"gradients.{i}.name: {g.name!r} repeats gradients."
+                                 f"{seen[g.name]}.name; names must be unique")
+            seen[g.name] = i
+        return self
+
+    def entry(self, name: str) -> Optional[PlanEntry]:
+        """Return the entry of gradient ``name``, or None if the plan has none."""
+        if self._index is None or len(self._index) != len(self.gradients):
+            self._index = {g.name: g for g in self.gradients}
+        return self._index.get(name)
+
+    # ------------------------------------------------------------------ files
+    @classmethod
+    def from_json(cls, text: str, origin: str = "<memory>") -> Plan:
+        """Parse and validate a plan from JSON text.
+
+        Raises:
+            PlanError: not JSON, or a field is missing or invalid; the message names the
+                field (e.g. ``gradients.3.partitions``).
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"invalid SeCoPa plan {origin}: not JSON ({exc.msg} at line "
+                            f"{exc.lineno} column {exc.colno}); write one with `hipress plan`"
+                            ) from None
+        if not isinstance(data, dict):
+            raise PlanError(f"invalid SeCoPa plan {origin}: expect a JSON object, got "
+                            f"{type(data).__name__}")
+        if "version" in data and data["version"] != PLAN_VERSION:
+            raise PlanError(f"invalid SeCoPa plan {origin}: version: {data['version']!r} is "
+                            f"not supported (expect {PLAN_VERSION}); re-run `hipress plan`")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise PlanError(format_validation_error("SeCoPa plan", origin, exc)) from None
+
+    @classmethod
+    def load(cls, path: Any) -> Plan:
+        """Read a plan file written by :meth:`save` (or ``hipress plan``).
+
+        Raises:
+            PlanError: missing, not JSON, or invalid (names the field).
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise PlanError(f"cannot read SeCoPa plan {path}: {exc.strerror}") from None
+        return cls.from_json(text, str(path))
+
+    def to_json(self) -> str:
+        """Return the plan as JSON text (one gradient per line)."""
+        head = self.model_dump(mode="json", exclude={"gradients"})
+        body = ",\n  ".join(json.dumps(g.model_dump(mode="json")) for g in self.gradients)
+        text = json.dumps(head, indent=1)
+        return text[:-2] + f',\n "gradients": [\n  {body}\n ]\n}}'
+
+    def save(self, path: Any) -> None:
+        """Write the plan as JSON (atomically)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+            f.write("\n")
+        os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- deciding
+def _flat_numel(shape: Any) -> int:
+    if isinstance(shape, int):
+        return int(shape)
+    return int(math.prod(int(d) for d in shape))
+
+
+def may_compress(codec: Optional[Codec], numel: int, shape: Any = None) -> bool:
+    """Return False when compressing cannot pay off whatever the costs (see module doc)."""
+    if codec is None or codec.name == "none" or numel < 1:
+        return False
+    shp = (int(numel),) if shape is None or isinstance(shape, int) else tuple(shape)
+    return codec.compression_ratio(shp) > 1.0
+
+
+def partition_candidates(numel: int, max_partitions: int = DEFAULT_MAX_PARTITIONS
+                         ) -> List[int]:
+    """Return the partition counts K the planner tries for a gradient of ``numel`` elements.
+
+    Every K in ``1 .. 32``, then ``round(32 * 1.1**i)`` (distinct values) up to
+    ``max_partitions``, and ``max_partitions`` itself; all capped at ``numel``.
+    """
+    top = max(1, min(int(max_partitions), int(numel)))
+    ks = list(range(1, min(top, _K_DENSE) + 1))
+    k = float(_K_DENSE)
+    while True:
+        k *= _K_RATIO
+        nxt = int(round(k))
+        if nxt >= top:
+            break
+        if nxt > ks[-1]:
+            ks.append(nxt)
+    if ks[-1] != top:
+        ks.append(top)
+    return ks
+
+
+def options(model: CostModel, codec: Optional[Codec], numel: int, strategy: str,
+            feedback: bool = False, max_partitions: int = DEFAULT_MAX_PARTITIONS,
+            allow_uncompressed: bool = True, force: bool = False,
+            shape: Any = None) -> List[Tuple[bool, Cost]]:
+    """Return every option the planner considers for one gradient, in tie-break order.
+
+    Args:
+        model: the cost model.
+        codec: the codec (None: uncompressed only).
+        numel: elements of the gradient.
+        strategy: ps, ring or auto.
+        feedback: residual error feedback on.
+        max_partitions: largest K tried.
+        allow_uncompressed: include the uncompressed option.
+        force: include compressed options even when :func:`may_compress` says no.
+        shape: the gradient's shape (the compressed allreduce encodes it unflattened).
+
+    Returns:
+        ``[(compress, Cost)]``.
+    """
+    out: List[Tuple[bool, Cost]] = []
+    if allow_uncompressed:
+        out.append((False, model.uncompressed(numel)))
+    if codec is None or numel < 1 or not (force or may_compress(codec, numel, shape)):
+        return out
+    shp = None if shape is None or isinstance(shape, int) else tuple(shape)
+    for path in engine_paths(codec, strategy):
+        ks = partition_candidates(numel, max_partitions) if path in ("ps", "ring") else [1]
+        for k in ks:
+            out.append((True, model.compressed(codec, numel, path, k, feedback, shp)))
+    return out
+
+
+def _best(opts: Sequence[Tuple[bool, Cost]]) -> Tuple[bool, Cost]:
+    best = opts[0]
+    for o in opts[1:]:
+        if o[1].total_s < best[1].total_s:
+            best = o
+    return best
+
+
+def _entry(name: str, numel: int, choice: Tuple[bool, Cost]) -> PlanEntry:
+    compress, cost = choice
+    return PlanEntry(name=name, numel=int(numel), compress=bool(compress),
+                     partitions=cost.partitions if compress else 1,
+                     strategy=cost.path if compress else "fused",
+                     predicted_ms=max(cost.total_s, 0.0) * 1e3)
+
+
+def _feedback(codec: Optional[Codec], memory: str) -> bool:
+    if codec is None or memory == "none":
+        return False
+    return bool(codec.error_feedback) if memory == "auto" else True
+
+
+def decide(profile: Any, numel: int, shape: Any, codec: Optional[Codec], strategy: str,
+           world_size: int, name: str = "gradient", memory: str = "auto",
+           max_partitions: int = DEFAULT_MAX_PARTITIONS,
+           fusion_bytes: int = DEFAULT_FUSION_BYTES) -> PlanEntry:
+    """Decide compress / partitions / path for one gradient (the run-time entry point).
+
+    Args:
+        profile: a :class:`Profile` or an existing :class:`CostModel` for ``world_size``
+            (pass the model to reuse its caches across gradients).
+        numel: elements of the gradient.
+        shape: its shape (the compressed allreduce path encodes it unflattened; the
+            other paths encode flat partitions); None means ``(numel,)``.
+        codec: the codec, or None.
+        strategy: ps, ring or auto.
+        world_size: N.
+        name: the gradient's name, for the entry.
+        memory: the config's ``compression.memory`` (auto, none, residual, dgc): whether
+            the engine's encode step includes error feedback.
+        max_partitions: largest K tried.
+        fusion_bytes: the engine's fused-buffer size.
+
+    Returns:
+        The :class:`PlanEntry` minimizing the cost model (the shared fused fixed cost is
+        taken as already paid).
+
+    Raises:
+        SeCoPaError: bad strategy or world size; ProfileError: the codec is not profiled.
+    """
+    if shape is not None and _flat_numel(shape) != int(numel):
+        raise SeCoPaError(f"gradient {name!r}: shape {tuple(shape)} does not have {numel} "
+                          "elements")
+    model = profile if isinstance(profile, CostModel) else CostModel(
+        profile, world_size, fusion_bytes)
+    if model.N != int(world_size):
+        raise SeCoPaError(f"cost model is for world size {model.N}, not {world_size}")
+    opts = options(model, codec, int(numel), strategy, _feedback(codec, memory), max_partitions,
+                   shape=shape)
+    return _entry(name, numel, _best(opts))
+
+
+def load_gradients(spec: Any) -> List[Tuple[str, Tuple[int, ...]]]:
+    """Return ``[(name, shape)]`` from a gradient-set JSON file or a shipped set's name.
+
+    Args:
+        spec: a path to a JSON file ``{"gradients": [{"name", "shape"}, ...]}`` (or a bare
+            list of such objects), or the name of a shipped set (``vgg19``, ``resnet50``,
+            ``bert-base``; see ``hipress/data/gradients``).
+
+    Raises:
+        SeCoPaError: unreadable file, unknown name, or malformed entries (names the
+            entry and field).
+    """
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "gradients")
+    path = str(spec)
+    if not os.path.exists(path):
+        shipped = os.path.join(here, f"{path}.json")
+        if os.path.exists(shipped):
+            path = shipped
+        else:
+            names = sorted(f[:-5] for f in os.listdir(here) if f.endswith(".json"))
+            raise SeCoPaError(f"gradient set {spec!r} is neither a file nor a shipped set "
+                              f"({', '.join(names)})")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SeCoPaError(f"cannot read gradient set {path}: {exc}") from None
+    items = data.get("gradients") if isinstance(data, dict) else data
+    if not isinstance(items, list):
+        raise SeCoPaError(f"gradient set {path}: expect a list under 'gradients'")
+    out = []
+    for i, g in enumerate(items):
+        if not isinstance(g, dict) or not isinstance(g.get("name"), str):
+            raise SeCoPaError(f"gradient set {path}: gradients.{i}.name: expect a string")
+        shape = g.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise SeCoPaError(f"gradient set {path}: gradients.{i}.shape: expect a list of "
+                              f"non-negative integers, got {shape!r}")
+        out.append((g["name"], tuple(shape)))
+    return out
+
+
+def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional[Codec],
+         strategy: str, world_size: int, max_partitions: int = DEFAULT_MAX_PARTITIONS,
+         memory: str = "auto", fusion_bytes: int = DEFAULT_FUSION_BYTES,
+         min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
+         partition_bytes: int = DEFAULT_PARTITION_BYTES,
+         profile_source: str = "") -> Plan:
+    """Plan a whole gradient set (see the module docstring for the rule and the totals).
+
+    Args:
+        profile: the measured profile.
+        gradients: ``[(name, shape)]`` (shape a tuple, or an int element count).
+        codec: the codec (None plans everything uncompressed).
+        strategy: ps, ring or auto.
+        world_size: N.
+        max_partitions: largest K tried.
+        memory: the config's ``compression.memory``.
+        fusion_bytes: the engine's fused-buffer size (``sync.fusion_threshold_bytes``).
+        min_compress_bytes: ``compression.min_compress_bytes``, for the ``threshold``
+            baseline only.
+        partition_bytes: ``sync.partition_bytes``, for the ``threshold`` baseline only.
+        profile_source: where the profile came from (recorded in the plan).
+
+    Returns:
+        The :class:`Plan`, with totals in ``predicted_ms``.
+
+    Raises:
+        SeCoPaError: bad strategy, world size or gradients; ProfileError: the codec is
+            not in the profile or N > 1 with a one-rank profile.
+    """
+    if strategy not in ("ps", "ring", "auto"):
+        raise SeCoPaError(f"strategy must be ps, ring or auto, got {strategy!r}")
+    if int(max_partitions) < 1:
+        raise SeCoPaError(f"max_partitions must be >= 1, got {max_partitions}")
+    model = CostModel(profile, world_size, fusion_bytes)
+    fb = _feedback(codec, memory)
+    fixed = model.fused_fixed()
+    names = [str(n) for n, _ in gradients]
+    numels = [_flat_numel(s) for _, s in gradients]
+    shapes = [(s,) if isinstance(s, int) else tuple(s) for _, s in gradients]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise SeCoPaError(f"gradient names must be unique; repeated: {dup}")
+
+    best_any: List[Tuple[bool, Cost]] = []
+    best_comp: List[Optional[Tuple[bool, Cost]]] = []
+    forced: List[Tuple[bool, Cost]] = []
+    for n, shp in zip(numels, shapes):
+        unc = (False, model.uncompressed(n))
+        comp = options(model, codec, n, strategy, fb, max_partitions,
+                       allow_uncompressed=False, force=True, shape=shp)
+        allowed = comp if may_compress(codec, n, shp) else []
+        best_any.append(_best([unc] + allowed))
+        best_comp.append(_best(allowed) if allowed else None)
+        forced.append(_best(comp) if comp else unc)
+
+    def total(choices: Sequence[Tuple[bool, Cost]]) -> float:
+        t = sum(c.total_s for _, c in choices)
+        return t + (fixed if any(not comp for comp, _ in choices) else 0.0)
+
+    chosen = best_any
+    if any(not c for c, _ in best_any) and all(b is not None for b in best_comp):
+        alt = [b for b in best_comp if b is not None]
+        if total(alt) < total(best_any):
+            chosen = alt
+
+    path0 = engine_paths(codec, strategy)
+    default_path = ("allreduce" if codec is not None and codec.summable and "allreduce" in path0
+                    else (path0[0] if path0 else "fused"))
+    threshold: List[Tuple[bool, Cost]] = []
+    for n, shp in zip(numels, shapes):
+        nbytes = 4 * n
+        if codec is None or codec.name == "none" or n < 1 or nbytes < min_compress_bytes:
+            threshold.append((False, model.uncompressed(n)))
+        else:
+            k = max(1, math.ceil(nbytes / partition_bytes))
+            threshold.append((True, model.compressed(codec, n, default_path, k, fb, shp)))
+
+    totals = {
+        "plan": total(chosen),
+        "compress_everything": total(forced),
+        "threshold": total(threshold),
+        "compress_nothing": total([(False, model.uncompressed(n)) for n in numels]),
+    }
+    entries = [_entry(name, n, ch) for name, n, ch in zip(names, numels, chosen)]
+    return Plan(
+        version=PLAN_VERSION,
+        codec=codec.name if codec is not None else "none",
+        codec_params=json.loads(json.dumps(codec.params())) if codec is not None else {},
+        strategy=strategy, world_size=int(world_size), feedback=fb,
+        max_partitions=int(max_partitions),
+        profile={"source": profile_source, "world_size": profile.world_size,
+                 "hosts": sorted(set(profile.hosts)), "created": profile.created},
+        predicted_ms={k: v * 1e3 for k, v in totals.items()},
+        gradients=entries)
+
+
+def summary_table(p: Plan) -> str:
+    """Return a text table of a plan's predicted totals (milliseconds per iteration)."""
+    n = len(p.gradients)
+    comp = sum(g.compress for g in p.gradients)
+    mib = sum(g.numel for g in p.gradients) * 4 / 2**20
+    lines = [
+        f"SeCoPa plan: codec {p.codec}{' ' + json.dumps(p.codec_params) if p.codec_params else ''}"
+        f", strategy {p.strategy}, world size {p.world_size}, {n} gradients "
+        f"({mib:.1f} MiB float32), error feedback {'on' if p.feedback else 'off'}",
+        f"{'policy':<22}{'predicted ms/iter':>18}{'compressed':>12}",
+    ]
+    counts = {"plan": comp, "compress_everything": sum(g.numel > 0 for g in p.gradients),
+              "compress_nothing": 0}
+    for key in TOTALS:
+        if key not in p.predicted_ms:
+            continue
+        c = counts.get(key)
+        shown = f"{c}/{n}" if c is not None else "-"
+        lines.append(f"{key.replace('_', '-'):<22}{p.predicted_ms[key]:>18.2f}{shown:>12}")
+    paths: Dict[str, int] = {}
+    for g in p.gradients:
+        paths[g.strategy] = paths.get(g.strategy, 0) + 1
+    lines.append("plan paths: " + ", ".join(f"{k} {v}" for k, v in sorted(paths.items())))
+    return "\n".join(lines)

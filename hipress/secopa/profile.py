@@ -1,0 +1,880 @@
+"""Measure the cluster for SeCoPa: codec compute curves and the send costs of each strategy.
+
+The original SeCoPa (Bai et al., SOSP'21, section 4) hard-coded its cost curves for 4, 8
+and 16 nodes and a 1/16 compression ratio. This module measures them instead, on the
+cluster and with the codecs at hand, and fits every primitive to a line with a floor::
+
+    t(x) = max(floor, a + b * x)        x in bytes, t in seconds
+
+Measured primitives (``x`` = bytes of float32 input for compute, bytes of one message for
+communication):
+
+- per codec: ``encode`` (``codec.encode(x).to_buffer()``, as the engine's encode step),
+  ``decode`` (parse the wire buffer + ``codec.decode``), ``merge`` (decode one payload and
+  add it into a float32 accumulator, as the aggregator and each ring hop do) and, for
+  summable codecs, ``stages`` (driving ``codec.reduce_stages`` on a near-square matrix with
+  the reductions replaced by the identity: the codec's compute on the compressed-allreduce
+  path, which hands the codec the gradient's own shape);
+- ``ef``: residual error feedback, ``compensate`` + ``update`` (codec independent);
+- ``write``: storing a decoded result averaged into the output (the engine's ``_write``,
+  after every final decode; codec independent);
+- communication, the message patterns of the engine's task graphs, sent through the
+  engine's own scheduler as its tasks send them (non-blocking point-to-point messages on
+  the communicator given, tested in the engine's poll loop; every rank taking part):
+  ``ring_step`` (every rank sends x to its successor and receives x from its
+  predecessor: one CaSync-Ring hop), ``ps_gather`` (N-1 ranks send x to rank 0: the
+  CaSync-PS incast), ``ps_bcast`` (rank 0 sends x to N-1 ranks), ``allgather`` (every rank
+  sends x to every other: the ring's final allgather, the gather path, and N aggregators
+  at once) and ``allreduce`` (x bytes through the engine's own
+  :func:`hipress.engine.tasks.fused_task`: the whole uncompressed fused path, averaging
+  included);
+- ``step_overhead_s``: what one step of a task graph (a compute or a communication wait)
+  costs the engine beyond its work, measured by running a chain of no-op steps through the
+  engine's own scheduler, polled as the engine polls it (all ranks at once; median).
+
+Fitting (:func:`fit_line`): a floor plus a line, ``max(floor, a + b*x)``, chosen to
+minimize the *relative* error ``sum(((t_hat_i - t_i) / t_i)^2)``, so small sizes
+(microseconds) weigh as much as large ones (hundreds of milliseconds). The floor is the
+flat region of small sizes where fixed costs dominate (its extent is chosen by the data);
+``b >= 0``. Where the data are convex (cache cliffs: encoding 16 MiB can cost 15x what
+4 MiB does, not 4x) a second, steeper line ``a2 + b2*x`` covers the largest sizes if it
+cuts the squared error by 30 %. Below the smallest profiled size a primitive costs the
+floor; above the largest profiled size the steepest line is extrapolated. The fit error
+is recorded as the relative RMS error and R^2 (of the curve against the measured
+medians).
+
+Time bound: the default budget is :data:`DEFAULT_TIME_BUDGET_S` (20 s) of measurements.
+It is split 40 % communication (when there are >= 2 ranks) and 60 % compute; within each
+part the time left is shared evenly by the series still to measure (message patterns;
+error feedback and one series per codec). Sizes are measured smallest first; a series
+stops before a size whose predicted time (the previous size's, scaled by the size ratio)
+would overrun its share, after at least two sizes. Each size is measured with adaptive
+repetitions (>= 3, until ~30 ms of samples) and reduced to a median. Before the budget
+starts, each codec is used once (its Numba kernels load from the disk cache or compile:
+about 0.1-2 s per codec family on a loaded two-core machine, recorded as ``warmup_s``);
+a profile thus takes warm-up + budget + well under a second (overruns of the last size of
+a series, the final broadcast).
+
+All ranks call :func:`run_profile` (collective). Every rank measures at the same time (so
+contention for shared cores or links is what the engine sees), rank 0 combines the
+ranks' numbers (median over ranks for compute, max over ranks for each communication
+repetition: a message pattern is done when its slowest rank is), fits, and broadcasts the
+profile: every rank holds the identical profile, so plans made from it agree across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from hipress.codecs import Codec, Payload, get_codec
+from hipress.secopa.errors import ProfileError, format_validation_error
+
+logger = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+#: default time budget of :func:`run_profile`, seconds
+DEFAULT_TIME_BUDGET_S = 20.0
+#: default codec input sizes (elements of float32): 256 .. 4 Mi, powers of 4
+DEFAULT_SIZES = tuple(4**k for k in range(4, 12))
+#: default message sizes (bytes): 64 B .. 64 MiB (the engine's largest fused buffer),
+#: powers of 4
+DEFAULT_COMM_SIZES = tuple(4**k for k in range(3, 14))
+#: message patterns measured (see the module docstring)
+COMM_PRIMITIVES = ("ring_step", "ps_gather", "ps_bcast", "allgather", "allreduce")
+#: the engine's idle poll sleep (hipress.engine.engine: time.sleep(0.0002) while busy)
+ENGINE_POLL_SLEEP_S = 0.0002
+_COMM_SHARE = 0.4
+_MIN_POINTS = 2
+_TARGET_SAMPLE_S = 0.03
+_MIN_REPS, _MAX_REPS = 3, 25
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+# ----------------------------------------------------------------------------- models
+class Fit(BaseModel):
+    """A fitted cost curve ``t(x) = max(floor, a + b * x[, a2 + b2 * x])``.
+
+    Attributes:
+        a: intercept, seconds (may be negative: the floor covers small sizes).
+        b: slope, seconds per byte (>= 0).
+        a2, b2: the line of large sizes where the data are convex (a cache or memory
+            cliff: per-byte cost grows once arrays leave the cache), else None.
+        floor: smallest time measured at any size, seconds (>= 0).
+        x_min: smallest profiled size, bytes.
+        x_max: largest profiled size, bytes (beyond it the line is extrapolated).
+        rel_rms: relative RMS error of the fit over the measured points.
+        r2: coefficient of determination of the fit (1 = perfect; may be < 0 for a
+            flat, noisy series).
+        points: the measured ``(bytes, seconds)`` medians the fit was made from.
+    """
+
+    model_config = _STRICT
+
+    a: float
+    b: float = Field(ge=0)
+    a2: Optional[float] = None
+    b2: Optional[float] = Field(None, ge=0)
+    floor: float = Field(0.0, ge=0)
+    x_min: float = Field(0.0, ge=0)
+    x_max: float = Field(0.0, ge=0)
+    rel_rms: float = Field(0.0, ge=0)
+    r2: float = Field(1.0, le=1.0)
+    points: List[List[float]] = Field(default_factory=list)
+
+    @field_validator("points")
+    @classmethod
+    def _pairs(cls, value: List[List[float]]) -> List[List[float]]:
+        for i, p in enumerate(value):
+            if len(p) != 2:
+                raise ValueError(f"point {i} must be [bytes, seconds], got {p}")
+        return value
+
+    @field_validator("a", "b", "floor", "rel_rms")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @model_validator(mode="after")
+    def _second_line(self) -> Fit:
+        if (self.a2 is None) != (self.b2 is None):
+            raise ValueError("a2 and b2 go together: give both or neither")
+        if self.a2 is not None and not math.isfinite(self.a2):
+            raise ValueError("a2 must be a finite number")
+        return self
+
+    def __call__(self, x: float) -> float:
+        """Return the predicted time in seconds for ``x`` bytes (any ``x`` >= 0)."""
+        x = max(float(x), 0.0)
+        t = max(self.floor, self.a + self.b * x)
+        if self.b2 is not None:
+            t = max(t, self.a2 + self.b2 * x)
+        return t
+
+    @classmethod
+    def zero(cls) -> Fit:
+        """Return the fit of a primitive that costs nothing (communication at world size 1)."""
+        return cls(a=0.0, b=0.0)
+
+    def scaled(self, factor: float) -> Fit:
+        """Return this fit with the slope multiplied by ``factor`` (intercept, floor kept)."""
+        b2 = None if self.b2 is None else self.b2 * float(factor)
+        return self.model_copy(update={"b": self.b * float(factor), "b2": b2, "points": []})
+
+
+class CommProfile(BaseModel):
+    """Fitted costs of the engine's message patterns (``x`` = bytes of one message)."""
+
+    model_config = _STRICT
+
+    ring_step: Fit
+    ps_gather: Fit
+    ps_bcast: Fit
+    allgather: Fit
+    allreduce: Fit
+
+
+class CodecProfile(BaseModel):
+    """Fitted compute costs of one codec (``x`` = bytes of float32 input).
+
+    Attributes:
+        name: registered codec name.
+        params: constructor parameters (``codec.params()``).
+        encode, decode, merge: see the module docstring.
+        stages: compute of ``reduce_stages`` (summable codecs only).
+        n_stages: number of reductions ``reduce_stages`` asks for (0 if not summable).
+    """
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    params: Dict[str, Any] = Field(default_factory=dict)
+    encode: Fit
+    decode: Fit
+    merge: Fit
+    stages: Optional[Fit] = None
+    n_stages: int = Field(0, ge=0)
+
+
+class Profile(BaseModel):
+    """A measured cluster profile: what :mod:`hipress.secopa.cost` predicts from.
+
+    Attributes:
+        version: file format version (:data:`PROFILE_VERSION`).
+        world_size: ranks the profile was measured with.
+        hosts: host name of each rank.
+        created: ISO time of the measurement.
+        time_budget_s: the budget it was measured under; elapsed_s: what it took in all;
+            warmup_s: of which the codecs' first use (outside the budget).
+        step_overhead_s: engine cost of one task-graph step beyond its work.
+        ef: residual error feedback (compensate + update) vs float32 input bytes.
+        write: averaged write of a decoded result into the output vs float32 bytes.
+        comm: message-pattern fits (all zero at world size 1).
+        codecs: per codec key (``name`` or ``name?{json params}``) its compute fits.
+    """
+
+    model_config = _STRICT
+
+    version: Literal[1]
+    world_size: int = Field(ge=1)
+    hosts: List[str] = Field(default_factory=list)
+    created: str = ""
+    time_budget_s: float = Field(0.0, ge=0)
+    elapsed_s: float = Field(0.0, ge=0)
+    warmup_s: float = Field(0.0, ge=0)
+    step_overhead_s: float = Field(0.0, ge=0)
+    ef: Fit
+    write: Fit
+    comm: CommProfile
+    codecs: Dict[str, CodecProfile] = Field(default_factory=dict)
+
+    # ------------------------------------------------------------------ files
+    @classmethod
+    def from_json(cls, text: str, origin: str = "<memory>") -> Profile:
+        """Parse and validate a profile from JSON text.
+
+        Raises:
+            ProfileError: not JSON, or a field is missing or invalid; the message names
+                the field path (e.g. ``comm.ring_step.b``) and what was found.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(
+                f"invalid SeCoPa profile {origin}: not JSON ({exc.msg} at line {exc.lineno} "
+                f"column {exc.colno}); write one with `hipress profile -o FILE`"
+            ) from None
+        if not isinstance(data, dict):
+            raise ProfileError(
+                f"invalid SeCoPa profile {origin}: expect a JSON object, got "
+                f"{type(data).__name__}"
+            )
+        if "version" in data and data["version"] != PROFILE_VERSION:
+            raise ProfileError(
+                f"invalid SeCoPa profile {origin}: version: {data['version']!r} is not "
+                f"supported (expect {PROFILE_VERSION}); re-run `hipress profile`"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ProfileError(format_validation_error("SeCoPa profile", origin, exc)) from None
+
+    @classmethod
+    def load(cls, path: Any) -> Profile:
+        """Read a profile file written by :meth:`save` (or ``hipress profile``).
+
+        Raises:
+            ProfileError: the file is missing, not JSON, or invalid (names the field).
+        """
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ProfileError(f"cannot read SeCoPa profile {path}: {exc.strerror}") from None
+        return cls.from_json(text, str(path))
+
+    def to_json(self) -> str:
+        """Return the profile as indented JSON text."""
+        return json.dumps(self.model_dump(mode="json"), indent=1)
+
+    def save(self, path: Any) -> None:
+        """Write the profile as JSON (atomically: a temporary file renamed over ``path``)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(self.to_json())
+            f.write("\n")
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ lookups
+    def codec(self, codec: Codec) -> CodecProfile:
+        """Return the fits of ``codec``: by exact key, else by name alone.
+
+        Raises:
+            ProfileError: the profile has no entry for that codec (lists those it has).
+        """
+        key = codec_key(codec.name, codec.params())
+        if key in self.codecs:
+            return self.codecs[key]
+        same = [k for k, v in self.codecs.items() if v.name == codec.name]
+        if same:
+            logger.debug("profile has %s for codec %s; using its compute fits", same[0], key)
+            return self.codecs[same[0]]
+        raise ProfileError(
+            f"the SeCoPa profile has no measurements for codec {key!r} (it has: "
+            f"{', '.join(sorted(self.codecs)) or 'none'}); re-run `hipress profile "
+            f"--codecs {codec.name}`"
+        )
+
+    def comm_at(self, world_size: int) -> CommProfile:
+        """Return the message-pattern fits for ``world_size`` ranks.
+
+        At the profiled world size these are the measured fits. At another size the
+        intercepts are kept and each slope is scaled by the bytes the busiest link carries
+        per message byte (an alpha-beta model): ``ring_step`` x1; ``ps_gather``,
+        ``ps_bcast`` and ``allgather`` x(N'-1)/(N-1); ``allreduce`` x(2(N'-1)/N') /
+        (2(N-1)/N). World size 1 costs nothing.
+
+        Raises:
+            ProfileError: ``world_size`` > 1 but the profile was measured on one rank
+                (it has no communication measurements).
+        """
+        if world_size < 1:
+            raise ProfileError(f"world size must be >= 1, got {world_size}")
+        if world_size == 1:
+            z = Fit.zero()
+            return CommProfile(ring_step=z, ps_gather=z, ps_bcast=z, allgather=z, allreduce=z)
+        if world_size == self.world_size:
+            return self.comm
+        if self.world_size == 1:
+            raise ProfileError(
+                f"cannot plan for world size {world_size}: the profile was measured on one "
+                "rank and has no communication costs; run `hipress profile` under "
+                "hipressrun/mpirun with >= 2 ranks on the cluster in question"
+            )
+        n0, n1 = self.world_size, world_size
+        fan = (n1 - 1) / (n0 - 1)
+        ar = (2.0 * (n1 - 1) / n1) / (2.0 * (n0 - 1) / n0)
+        c = self.comm
+        return CommProfile(
+            ring_step=c.ring_step.model_copy(update={"points": []}),
+            ps_gather=c.ps_gather.scaled(fan),
+            ps_bcast=c.ps_bcast.scaled(fan),
+            allgather=c.allgather.scaled(fan),
+            allreduce=c.allreduce.scaled(ar),
+        )
+
+
+def codec_key(name: str, params: Dict[str, Any]) -> str:
+    """Return the key of a codec with parameters (the engine's convention)."""
+    return name + ("?" + json.dumps(params, sort_keys=True) if params else "")
+
+
+# ----------------------------------------------------------------------------- fitting
+def _rel_line(x: np.ndarray, t: np.ndarray) -> Tuple[float, float]:
+    """Least squares of a + b*x on relative error (weights 1/t), with b >= 0."""
+    w = 1.0 / t
+    if x.size >= 2 and np.ptp(x) > 0:
+        mat = np.stack([w, x * w], axis=1)
+        (a, b), *_ = np.linalg.lstsq(mat, np.ones_like(t), rcond=None)
+        if b >= 0:
+            return float(a), float(b)
+    return float(np.sum(w) / np.sum(w * w)), 0.0
+
+
+def _rel_const(t: np.ndarray) -> float:
+    """The constant minimizing the relative squared error to ``t``."""
+    w = 1.0 / t
+    return float(np.sum(w) / np.sum(w * w))
+
+
+#: a second line must cut the squared relative error by this factor to be kept
+_SECOND_LINE_GAIN = 0.7
+
+
+def fit_line(points: Sequence[Tuple[float, float]]) -> Fit:
+    """Fit ``t(x) = max(floor, a + b*x)`` (plus a steeper line if the data need it).
+
+    The floor is the flat part of small sizes (fixed costs dominate); the line is the
+    part that grows with size. Where the data are convex, e.g. an encode that runs from
+    the cache up to a few MiB and from memory beyond, one line under-predicts the large
+    sizes that dominate synchronization time, so a second, steeper line ``a2 + b2*x`` for
+    the largest sizes is added when it cuts the error enough. The curve is the maximum of
+    floor and lines (a convex, piecewise-linear cost), extrapolated beyond the largest
+    size along its steepest line.
+
+    Algorithm:
+        1. Sort the points by x. For each split into a floor region (the k smallest
+           points, k = 0 .. n-2), a line region, and optionally a second-line region
+           (the largest points; each line region >= 2 points):
+           a. floor = the relative-error least-squares constant of its region
+              (``sum(1/t)/sum(1/t^2)``); for k = 0 the smallest time measured;
+           b. each line = relative-error least squares over its region (weights
+              ``1/t_i``: minimize ``sum(((a + b*x_i - t_i)/t_i)^2)``), with ``b >= 0``
+              (``a`` may be negative: the floor covers small sizes);
+           c. score = ``sum(((t_hat_i - t_i)/t_i)^2)`` over all points.
+           The constant model (floor only) is a candidate too.
+        2. Keep the best one-line split; keep the best two-line split instead only if
+           its score is below 0.7 times that (a second line must earn its parameters).
+        3. Record the relative RMS error and R^2 of the chosen curve.
+
+    Relative error makes microsecond and 100-millisecond points weigh alike.
+
+    Args:
+        points: at least one ``(x, t)`` with ``x >= 0`` and ``t > 0``.
+
+    Returns:
+        The :class:`Fit` (with the points).
+
+    Raises:
+        ValueError: no points, or a non-positive or non-finite time.
+    """
+    pts = sorted((float(x), float(t)) for x, t in points)
+    if not pts:
+        raise ValueError("cannot fit a cost curve to no points")
+    if any(not (t > 0 and math.isfinite(t)) or x < 0 for x, t in pts):
+        raise ValueError(f"cost curve points must have x >= 0 and finite t > 0: {pts}")
+    x = np.array([p[0] for p in pts])
+    t = np.array([p[1] for p in pts])
+    n = x.size
+
+    def score(floor: float, lines: List[Tuple[float, float]]) -> float:
+        pred = np.full(n, floor)
+        for a, b in lines:
+            pred = np.maximum(pred, a + b * x)
+        return float(np.sum(((pred - t) / t) ** 2))
+
+    c = _rel_const(t)
+    one = (score(c, []), c, [(c, 0.0)])
+    two: Optional[Tuple[float, float, List[Tuple[float, float]]]] = None
+    for k in range(max(n - 1, 0)):
+        floor = float(t.min()) if k == 0 else _rel_const(t[:k])
+        line1 = _rel_line(x[k:], t[k:])
+        cand = (score(floor, [line1]), floor, [line1])
+        if cand[0] < one[0] - 1e-15:
+            one = cand
+        for j in range(k + 2, n - 1):
+            lines = [_rel_line(x[k:j], t[k:j]), _rel_line(x[j:], t[j:])]
+            cand = (score(floor, lines), floor, lines)
+            if two is None or cand[0] < two[0] - 1e-15:
+                two = cand
+    best = two if two is not None and two[0] < _SECOND_LINE_GAIN * one[0] else one
+    _, floor, lines = best
+    (a, b) = lines[0]
+    a2, b2 = lines[1] if len(lines) > 1 else (None, None)
+    fit = Fit(a=a, b=b, a2=a2, b2=b2, floor=floor, x_min=float(x.min()),
+              x_max=float(x.max()), points=[list(p) for p in pts])
+    pred = np.array([fit(v) for v in x])
+    rel_rms = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
+    ss_tot = float(np.sum((t - t.mean()) ** 2))
+    ss_res = float(np.sum((pred - t) ** 2))
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    return fit.model_copy(update={"rel_rms": rel_rms, "r2": min(1.0, r2)})
+
+
+# ----------------------------------------------------------------------------- measuring
+class _Clock:
+    """Rank 0's clock decides for everyone (broadcast), so all ranks loop identically."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.root = comm.Get_rank() == 0
+
+    def agree(self, flag: bool) -> bool:
+        """Return rank 0's ``flag`` on every rank."""
+        if self.comm.Get_size() == 1:
+            return bool(flag)
+        return bool(self.comm.bcast(bool(flag) if self.root else None, root=0))
+
+
+def _median_time(fn: Callable[[], Any], deadline: float) -> float:
+    """Return the median wall time of ``fn()`` over adaptive repetitions (one warm-up)."""
+    fn()
+    samples: List[float] = []
+    spent = 0.0
+    while len(samples) < _MIN_REPS or (spent < _TARGET_SAMPLE_S and len(samples) < _MAX_REPS
+                                       and time.perf_counter() < deadline):
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        samples.append(dt)
+        spent += dt
+    return max(statistics.median(samples), 1e-9)
+
+
+def _step_overhead(comm: Any, mpi: Any) -> float:
+    """Return the engine's cost per task-graph step (seconds), measured through its scheduler.
+
+    A chain of no-op :class:`~hipress.engine.scheduler.Compute` steps runs on the engine's
+    own :class:`~hipress.engine.scheduler.Scheduler` (one compute thread), driven the way
+    the engine's loop drives it (poll; sleep 0.2 ms when nothing progressed). The time per
+    step is what a step costs beyond its work: the thread-pool round trip, the poll
+    latency, and the scheduling delays of a loaded machine.
+    """
+    from hipress.engine.scheduler import Compute, Scheduler
+
+    steps = 40
+    sched = Scheduler(comm, mpi, 1, 60.0)
+
+    def chain() -> Any:
+        for _ in range(steps):
+            yield Compute(int, ())
+
+    try:
+        t0 = time.perf_counter()
+        sched.add(chain(), "secopa.step")
+        while sched.busy:
+            if not sched.poll():
+                time.sleep(ENGINE_POLL_SLEEP_S)
+        return (time.perf_counter() - t0) / steps
+    finally:
+        sched.shutdown()
+
+
+def _codec_ops(codec: Codec, n: int, rng: np.random.Generator, world_size: int) -> Dict[str, Any]:
+    """Return zero-argument callables for the compute primitives of ``codec`` at ``n``."""
+    x = rng.standard_normal(n).astype(np.float32)
+    name = f"secopa.profile/{n}"
+    buf = codec.encode(x, name=name).to_buffer()
+    acc = np.zeros(n, dtype=np.float32)
+
+    def encode() -> Any:
+        return codec.encode(x, name=name).to_buffer()
+
+    def decode() -> Any:
+        return codec.decode(Payload.from_bytes(buf))
+
+    def merge() -> Any:
+        v = codec.decode(Payload.from_bytes(buf)).astype(np.float32, copy=False)
+        acc.__iadd__(v)
+
+    ops: Dict[str, Any] = {"encode": encode, "decode": decode, "merge": merge}
+    if codec.summable:
+        # the compressed allreduce hands the codec the gradient's own shape: a near-square
+        # matrix here, so low-rank codecs (PowerSGD) do their real work
+        rows = 1 << (max(n.bit_length() - 1, 0) // 2)
+        xm = x.reshape(rows, n // rows) if n % rows == 0 else x
+
+        def stages() -> int:
+            gen = codec.reduce_stages(xm, name + "/m", world_size, 1.0 / world_size)
+            value, count = None, 0
+            while True:
+                try:
+                    arr, _op = gen.send(value)
+                except StopIteration:
+                    return count
+                value = np.asarray(arr).copy()
+                count += 1
+
+        ops["stages"] = stages
+    return ops
+
+
+def _host_ops(n: int, rng: np.random.Generator, world_size: int) -> Dict[str, Any]:
+    """Return the codec-independent compute primitives: error feedback, result write."""
+    from hipress.engine.tasks import _write
+    from hipress.memory import get_memory
+
+    mem = get_memory("residual")
+    x = rng.standard_normal(n).astype(np.float32)
+    dec = np.zeros(n, dtype=np.float32)
+    job = _FakeJob(np.empty(n, dtype=np.float32))
+
+    def ef() -> None:
+        c = mem.compensate("secopa.profile", x)
+        mem.update("secopa.profile", c, dec)
+
+    def write() -> None:
+        _write(job, 0, n, x, world_size)
+
+    return {"ef": ef, "write": write}
+
+
+class _FakeJob:
+    """What :func:`hipress.engine.tasks._write` needs of a job."""
+
+    def __init__(self, out: np.ndarray) -> None:
+        self.out = out
+        self.average = True
+
+
+def _run_task(sched: Any, gen: Any) -> None:
+    """Run one task coroutine on the engine's scheduler, polled as the engine polls it."""
+    sched.add(gen, "secopa.profile")
+    while sched.busy:
+        if not sched.poll():
+            time.sleep(ENGINE_POLL_SLEEP_S)
+
+
+def _comm_op(comm: Any, sched: Any, pattern: str, nbytes: int) -> Callable[[], None]:
+    """Return a callable that performs one repetition of ``pattern`` with ``nbytes``.
+
+    The messages go through the engine's own scheduler (``Isend``/``Irecv`` tested in its
+    poll loop, not a blocking ``Waitall``): MPI progresses large messages only inside MPI
+    calls, so the engine's polling is part of what a message costs.
+    """
+    from hipress.engine.scheduler import Recv, Send
+
+    N, me = comm.Get_size(), comm.Get_rank()
+    sbuf = np.ones(nbytes, dtype=np.uint8)
+    tag = 7000 + 4 * COMM_PRIMITIVES.index(pattern)
+    nxt, prv = (me + 1) % N, (me - 1) % N
+    if pattern == "allreduce":
+        # the engine's whole uncompressed path: fused_task (allreduce_sum, then the
+        # averaged write into the output)
+        from hipress.engine import tasks as T
+        from hipress.memory import get_memory
+        from hipress.timeline import Timeline
+
+        arr = np.ones(max(nbytes // 4, N), dtype=np.float32)
+        env = T.TaskEnv(me, N, Timeline(False, me), {})
+        nomem = get_memory("none")
+
+        fields = {f.name for f in dataclasses.fields(T.Job)}
+
+        def run() -> None:
+            kw = dict(name="secopa.profile", flat=arr, out=np.empty_like(arr), average=True,
+                      codec=None, memory=nomem, contributes=True)
+            if "shape" in fields:
+                kw["shape"] = arr.shape
+            _run_task(sched, T.fused_task(env, [T.Job(**kw)], tag))
+
+        return run
+
+    ops: List[Any] = []
+    if pattern == "ring_step":
+        ops = [Send(nxt, sbuf, tag), Recv(prv, tag, nbytes)]
+    elif pattern == "ps_gather":
+        ops = ([Recv(r, tag, nbytes) for r in range(1, N)] if me == 0
+               else [Send(0, sbuf, tag)])
+    elif pattern == "ps_bcast":
+        ops = ([Send(r, sbuf, tag) for r in range(1, N)] if me == 0
+               else [Recv(0, tag, nbytes)])
+    elif pattern == "allgather":
+        ops = ([Send(r, sbuf, tag) for r in range(N) if r != me]
+               + [Recv(r, tag, nbytes) for r in range(N) if r != me])
+
+    def task() -> Any:
+        yield list(ops)
+
+    def run() -> None:  # noqa: F811 - one of two closures is returned
+        _run_task(sched, task())
+
+    return run
+
+
+def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, nbytes: int,
+                  deadline: float) -> Optional[float]:
+    """Time one pattern at one size on every rank; rank 0 gets max-over-ranks medians."""
+    op = _comm_op(comm, sched, pattern, nbytes)
+    comm.Barrier()
+    t0 = time.perf_counter()
+    op()  # warm-up, also sizes the repetitions
+    first = time.perf_counter() - t0
+    first = comm.allreduce(first, op=mpi.MAX)
+    reps = int(min(_MAX_REPS, max(_MIN_REPS, math.ceil(_TARGET_SAMPLE_S / max(first, 1e-6)))))
+    left = deadline - time.perf_counter()
+    if first * reps > left > 0:
+        reps = max(_MIN_REPS, int(left / max(first, 1e-6)))
+    reps = int(clock.comm.bcast(reps if clock.root else None, root=0))
+    samples = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        op()
+        samples.append(time.perf_counter() - t0)
+    allsamples = comm.gather(samples, root=0)
+    if not clock.root:
+        return None
+    per_rep = [max(s[i] for s in allsamples) for i in range(reps)]
+    return max(statistics.median(per_rep), 1e-9)
+
+
+def _as_codec(c: Any) -> Codec:
+    if isinstance(c, Codec):
+        return c
+    if isinstance(c, (tuple, list)) and len(c) == 2:
+        return get_codec(c[0], **dict(c[1]))
+    return get_codec(str(c))
+
+
+def _collect(comm: Any, clock: _Clock, value: Optional[float], error: str) -> Tuple[float, str]:
+    """Rank 0: median of the ranks' values; every rank: the first error any rank hit."""
+    if comm.Get_size() == 1:
+        return (value or 0.0), error
+    got = comm.gather((value, error), root=0)
+    msg = ""
+    med = 0.0
+    if clock.root:
+        errs = [f"rank {r}: {e}" for r, (_, e) in enumerate(got) if e]
+        msg = errs[0] if errs else ""
+        vals = [v for v, _ in got if v is not None]
+        med = statistics.median(vals) if vals else 0.0
+    msg = comm.bcast(msg if clock.root else None, root=0)
+    return med, msg
+
+
+def run_profile(
+    comm: Any,
+    codecs: Sequence[Any] = ("onebit",),
+    sizes: Optional[Sequence[int]] = None,
+    time_budget_s: float = DEFAULT_TIME_BUDGET_S,
+    comm_sizes: Optional[Sequence[int]] = None,
+    seed: int = 0,
+) -> Profile:
+    """Measure codecs and message patterns on ``comm`` and fit them (collective).
+
+    Args:
+        comm: an mpi4py communicator (every rank of it must call this). Use a dup of
+            ``MPI.COMM_WORLD`` so no message can match someone else's.
+        codecs: codec names, ``(name, params)`` pairs or :class:`Codec` instances.
+        sizes: codec input sizes in float32 elements (default :data:`DEFAULT_SIZES`).
+        time_budget_s: the time to spend measuring, seconds (see the module docstring
+            for how it is split and bounded).
+        comm_sizes: message sizes in bytes (default :data:`DEFAULT_COMM_SIZES`).
+        seed: seed of the random test gradients.
+
+    Returns:
+        The :class:`Profile`, identical on every rank.
+
+    Raises:
+        ProfileError: a codec failed on some rank (the message names codec, size and
+            rank; every rank raises it), or an argument is invalid.
+    """
+    from mpi4py import MPI
+
+    t_start = time.perf_counter()
+    if not time_budget_s > 0:
+        raise ProfileError(f"time budget must be > 0 seconds, got {time_budget_s!r}")
+    sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES)})
+    comm_sizes = sorted({int(s) for s in (comm_sizes or DEFAULT_COMM_SIZES)})
+    if not sizes or sizes[0] < 1 or not comm_sizes or comm_sizes[0] < 1:
+        raise ProfileError(f"profile sizes must be >= 1, got {sizes} and {comm_sizes}")
+    N, me = comm.Get_size(), comm.Get_rank()
+    clock = _Clock(comm)
+    codec_objs = [_as_codec(c) for c in codecs]
+    for c in codec_objs:
+        c.bind(me, N)
+    rng = np.random.default_rng(seed)
+    hosts = comm.allgather(MPI.Get_processor_name())
+
+    comm.Barrier()
+    overhead, _ = _collect(comm, clock, _step_overhead(comm, MPI), "")
+
+    # ---- first use of each codec (Numba kernels load or compile, caches fill): outside
+    # the budget, which covers the measurements
+    err = ""
+    for c in codec_objs:
+        try:
+            warm = _codec_ops(c, sizes[0], rng, N)
+            for fn in warm.values():
+                fn()
+        except Exception as exc:  # noqa: BLE001 - reported collectively below
+            err = err or f"codec {codec_key(c.name, c.params())!r}: {type(exc).__name__}: {exc}"
+    _, err = _collect(comm, clock, None, err)
+    if err:
+        raise ProfileError(f"profiling failed on {err}")
+    comm.Barrier()
+    warmup_s = time.perf_counter() - t_start
+    logger.debug("codec warm-up done, %.2f s since start", warmup_s)
+    budget_end = time.perf_counter() + time_budget_s  # rank 0's clock decides
+
+    def go_on(i: int, deadline: float, last_cost: float, ratio: float) -> bool:
+        """Measure point i? Always the first _MIN_POINTS; then only if it fits the share."""
+        if i < _MIN_POINTS:
+            return True
+        return clock.agree(time.perf_counter() + last_cost * max(ratio, 1.0) <= deadline)
+
+    # ---- communication: 40 % of the budget, shared evenly by the patterns still to do
+    comm_fits: Dict[str, Fit] = {}
+    if N > 1:
+        from hipress.engine.scheduler import Scheduler
+
+        sched = Scheduler(comm, MPI, 1, 120.0)
+        comm_end = budget_end - (1.0 - _COMM_SHARE) * time_budget_s
+        for j, pattern in enumerate(COMM_PRIMITIVES):
+            now = time.perf_counter()
+            deadline = now + max(comm_end - now, 0.0) / (len(COMM_PRIMITIVES) - j)
+            pts: List[Tuple[float, float]] = []
+            last = 0.0
+            for i, nbytes in enumerate(comm_sizes):
+                if not go_on(i, deadline, last, nbytes / comm_sizes[max(i - 1, 0)]):
+                    break
+                t0 = time.perf_counter()
+                t = _measure_comm(comm, MPI, sched, clock, pattern, nbytes, deadline)
+                last = time.perf_counter() - t0
+                if clock.root:
+                    pts.append((float(nbytes), t))
+            if clock.root:
+                comm_fits[pattern] = fit_line(pts)
+                logger.debug("profiled %s: %d sizes, %.2f s since start", pattern, len(pts),
+                             time.perf_counter() - t_start)
+        sched.shutdown()
+    else:
+        comm_fits = {p: Fit.zero() for p in COMM_PRIMITIVES}
+
+    # ---- compute: the rest of the budget, shared evenly by the series still to do
+    # (error feedback and result write + one per codec)
+    series: Dict[str, Dict[str, List[Tuple[float, float]]]] = {}
+    n_stages: Dict[str, int] = {}
+    jobs: List[Tuple[str, Optional[Codec]]] = [("ef", None)] + [
+        (codec_key(c.name, c.params()), c) for c in codec_objs]
+    for j, (key, codec) in enumerate(jobs):
+        now = time.perf_counter()
+        deadline = now + max(budget_end - now, 0.0) / (len(jobs) - j)
+        series[key] = {}
+        last = 0.0
+        for i, n in enumerate(sizes):
+            if not go_on(i, deadline, last, n / sizes[max(i - 1, 0)]):
+                break
+            t0 = time.perf_counter()
+            err = ""
+            try:
+                ops = _host_ops(n, rng, N) if codec is None else _codec_ops(codec, n, rng, N)
+            except Exception as exc:  # noqa: BLE001 - reported collectively below
+                ops, err = {}, f"{type(exc).__name__}: {exc}"
+            _, err = _collect(comm, clock, None, err)
+            if err:
+                raise ProfileError(f"profiling codec {key!r} at {n} elements failed on {err}")
+            for prim, fn in ops.items():
+                comm.Barrier()
+                err, t = "", None
+                try:
+                    t = _median_time(fn, deadline)
+                    if prim == "stages":
+                        n_stages[key] = int(fn())
+                except Exception as exc:  # noqa: BLE001 - reported collectively below
+                    err = f"{type(exc).__name__}: {exc}"
+                med, err = _collect(comm, clock, t, err)
+                if err:
+                    raise ProfileError(
+                        f"profiling {prim} of codec {key!r} at {n} elements failed on {err}")
+                series[key].setdefault(prim, []).append((4.0 * n, med))
+            last = time.perf_counter() - t0
+        logger.debug("profiled %s: %d sizes, %.2f s since start (deadline %+.2f s)", key,
+                     len(series[key].get("encode", series[key].get("ef", []))),
+                     time.perf_counter() - t_start, time.perf_counter() - deadline)
+
+    text = ""
+    if clock.root:
+        codec_profiles = {}
+        for key, codec in jobs[1:]:
+            fits = {prim: fit_line(pts) for prim, pts in series[key].items()}
+            codec_profiles[key] = CodecProfile(
+                name=codec.name, params=json.loads(json.dumps(codec.params())),
+                encode=fits["encode"], decode=fits["decode"], merge=fits["merge"],
+                stages=fits.get("stages"), n_stages=n_stages.get(key, 0))
+        prof = Profile(
+            version=PROFILE_VERSION, world_size=N, hosts=list(hosts),
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            time_budget_s=float(time_budget_s), elapsed_s=time.perf_counter() - t_start,
+            warmup_s=float(warmup_s),
+            step_overhead_s=float(overhead), ef=fit_line(series["ef"]["ef"]),
+            write=fit_line(series["ef"]["write"]),
+            comm=CommProfile(**comm_fits), codecs=codec_profiles)
+        text = prof.to_json()
+        logger.info("SeCoPa profile of %d rank(s), %d codec(s) took %.1f s (codec warm-up "
+                    "%.1f s + measurements, budget %.0f s)", N, len(codec_profiles),
+                    prof.elapsed_s, warmup_s, time_budget_s)
+    if N > 1:
+        text = comm.bcast(text if clock.root else None, root=0)
+    return Profile.from_json(text, "<broadcast>")

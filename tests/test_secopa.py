@@ -1,0 +1,528 @@
+"""SeCoPa: planner optimality against brute force, edge cases, file validation, profiling
+under real MPI, the CLI, and the run-time PlanFollower."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mpi_util import assert_ok, run_mpi
+
+from hipress import cli
+from hipress.codecs import Codec, get_codec
+from hipress.config import config_from_dict
+from hipress.secopa import (
+    CostModel,
+    Plan,
+    PlanError,
+    PlanFollower,
+    Profile,
+    ProfileError,
+    decide,
+    engine_paths,
+    fit_line,
+    load_gradients,
+    partition_candidates,
+    plan,
+    run_profile,
+)
+from hipress.secopa.planner import may_compress
+
+GiB = 1e-9  # seconds per byte at 1 GB/s
+
+
+def line(a, b, floor=0.0):
+    return {"a": a, "b": b, "floor": floor}
+
+
+def make_profile(world_size=4, ar_fixed=200e-6, link_gbs=1.0, codecs=None, step=50e-6):
+    """A synthetic profile: 1 GB/s links, codecs at a few GB/s, fixed costs of ~10-100 us."""
+    b = GiB / link_gbs
+    comm = {
+        "ring_step": line(30e-6, b, 20e-6),
+        "ps_gather": line(30e-6, (world_size - 1) * b, 20e-6),
+        "ps_bcast": line(30e-6, (world_size - 1) * b, 20e-6),
+        "allgather": line(50e-6, (world_size - 1) * b * 1.2, 30e-6),
+        "allreduce": line(ar_fixed, 2 * (world_size - 1) / world_size * b, ar_fixed),
+    }
+    if world_size == 1:
+        comm = {k: line(0.0, 0.0) for k in comm}
+    cod = codecs or {
+        "onebit": dict(encode=line(20e-6, 0.1e-9, 15e-6), decode=line(20e-6, 0.05e-9, 15e-6),
+                       merge=line(20e-6, 0.08e-9, 15e-6)),
+        "terngrad": dict(encode=line(30e-6, 0.4e-9), decode=line(20e-6, 0.2e-9),
+                         merge=line(25e-6, 0.3e-9), stages=line(40e-6, 0.5e-9), n_stages=2),
+        "fp16": dict(encode=line(8e-6, 0.6e-9), decode=line(10e-6, 0.4e-9),
+                     merge=line(10e-6, 0.5e-9), stages=line(3e-6, 1.1e-9), n_stages=1),
+        "topk": dict(encode=line(30e-6, 0.3e-9), decode=line(20e-6, 0.03e-9),
+                     merge=line(20e-6, 0.05e-9)),
+        "randomk": dict(encode=line(60e-6, 0.15e-9), decode=line(50e-6, 0.1e-9),
+                        merge=line(50e-6, 0.15e-9), stages=line(60e-6, 0.2e-9), n_stages=1),
+        "powersgd": dict(encode=line(60e-6, 0.3e-9), decode=line(50e-6, 0.3e-9),
+                         merge=line(50e-6, 0.3e-9), stages=line(80e-6, 0.5e-9), n_stages=2),
+    }
+    codecs_json = {}
+    for name, fits in cod.items():
+        entry = {"name": name, "params": {}}
+        entry.update(fits)
+        codecs_json[name] = entry
+    data = {"version": 1, "world_size": world_size, "hosts": ["h"] * world_size,
+            "step_overhead_s": step, "ef": line(4e-6, 0.1e-9), "write": line(3e-6, 0.15e-9),
+            "comm": comm,
+            "codecs": codecs_json}
+    return Profile.from_json(json.dumps(data))
+
+
+PROFILE4 = make_profile(4)
+CODECS = {n: get_codec(n) for n in ("onebit", "terngrad", "fp16", "topk", "randomk")}
+
+
+# ----------------------------------------------------------------------------- fitting
+def test_fit_line_recovers_a_line_and_its_floor():
+    pts = [(x, 1e-5 + 2e-10 * x) for x in (1e3, 1e4, 1e5, 1e6, 1e7)]
+    f = fit_line(pts)
+    assert f.a == pytest.approx(1e-5, rel=1e-6) and f.b == pytest.approx(2e-10, rel=1e-6)
+    assert f.rel_rms < 1e-9 and f.r2 == pytest.approx(1.0)
+    # flat small sizes become the floor; the line fits the rest
+    pts = [(64, 5e-5), (256, 5e-5), (1024, 5e-5), (1e6, 1e-4), (4e6, 4e-4), (16e6, 1.6e-3)]
+    f = fit_line(pts)
+    assert f.floor == pytest.approx(5e-5)
+    assert f(64) == pytest.approx(5e-5) and f(16e6) == pytest.approx(1.6e-3, rel=0.05)
+    # beyond the largest size the line is extrapolated
+    assert f(1.6e8) == pytest.approx(f.a + f.b * 1.6e8)
+    assert f.b2 is None  # a line is enough here
+    with pytest.raises(ValueError):
+        fit_line([(10, 0.0)])
+
+
+def test_fit_line_adds_a_steeper_line_past_a_cache_cliff():
+    # 0.1 ns/B in cache up to 4 MiB, 0.5 ns/B from memory beyond: convex
+    xs = [4.0**k for k in range(5, 14)]
+    pts = [(x, 2e-5 + 1e-10 * x if x <= 4 * 2**20 else 2e-5 + 1e-10 * 4 * 2**20
+            + 5e-10 * (x - 4 * 2**20)) for x in xs]
+    f = fit_line(pts)
+    assert f.b2 is not None and f.b2 > 4 * f.b
+    assert f.rel_rms < 0.02
+    assert f(1e9) == pytest.approx(pts[-1][1] + 5e-10 * (1e9 - pts[-1][0]), rel=0.02)
+    assert f.scaled(2.0).b2 == pytest.approx(2 * f.b2)
+
+
+# ----------------------------------------------------------------------------- brute force
+def brute_force_min(model, codec, numel, strategy, feedback, max_partitions):
+    """Every option, enumerated here independently of the planner."""
+    costs = [model.uncompressed(numel).total_s]
+    ratio_ok = codec.name != "none" and numel >= 1 and (
+        4 * numel / codec.payload_nbytes((numel,)) > 1)
+    if ratio_ok:
+        for path in engine_paths(codec, strategy):
+            ks = partition_candidates(numel, max_partitions) if path in ("ps", "ring") else [1]
+            for k in ks:
+                costs.append(model.compressed(codec, numel, path, k, feedback).total_s)
+    return min(costs)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    log_numel=st.floats(0, 8.7),
+    n=st.sampled_from([1, 2, 3, 4, 8, 16]),
+    strategy=st.sampled_from(["ps", "ring", "auto"]),
+    codec=st.sampled_from(sorted(CODECS)),
+    memory=st.sampled_from(["auto", "none", "residual"]),
+    max_partitions=st.sampled_from([1, 4, 40, 300]),
+)
+def test_decide_is_the_brute_force_minimum(log_numel, n, strategy, codec, memory,
+                                           max_partitions):
+    numel = max(1, int(10**log_numel))
+    c = CODECS[codec]
+    model = CostModel(PROFILE4, n)
+    e = decide(model, numel, (numel,), c, strategy, n, name="g", memory=memory,
+               max_partitions=max_partitions)
+    fb = memory == "residual" or (memory == "auto" and c.error_feedback)
+    best = brute_force_min(model, c, numel, strategy, fb, max_partitions)
+    assert e.predicted_ms == pytest.approx(best * 1e3, rel=1e-12, abs=1e-15)
+    # the entry really is that option
+    if e.compress:
+        again = model.compressed(c, numel, e.strategy, e.partitions, fb).total_s
+        assert again * 1e3 == pytest.approx(e.predicted_ms, rel=1e-12)
+        assert e.strategy in engine_paths(c, strategy)
+        assert 1 <= e.partitions <= min(max_partitions, numel)
+    else:
+        assert e.strategy == "fused" and e.partitions == 1
+
+
+@pytest.mark.parametrize("n,strategy,ar_fixed", [(4, "ps", 200e-6), (3, "ring", 200e-6),
+                                                  (8, "auto", 5e-3), (4, "ps", 0.05)])
+def test_plan_total_is_the_minimum_over_every_combination(n, strategy, ar_fixed):
+    # small gradient set, every combination of per-gradient options, shared fixed cost
+    prof = make_profile(n, ar_fixed=ar_fixed)
+    grads = [("a", (3000,)), ("b", (40, 1000)), ("c", (2_000_000,)), ("d", (64,))]
+    codec = CODECS["onebit"]
+    model = CostModel(prof, n)
+    per = []
+    for _, shape in grads:
+        numel = math.prod(shape)
+        opts = [(False, model.uncompressed(numel).total_s)]
+        if may_compress(codec, numel):
+            for path in engine_paths(codec, strategy):
+                for k in range(1, 6):
+                    opts.append((True, model.compressed(codec, numel, path, k, True).total_s))
+        per.append(opts)
+    fixed = model.fused_fixed()
+    best = min(sum(c for _, c in combo) + (fixed if any(not z for z, _ in combo) else 0.0)
+               for combo in itertools.product(*per))
+    p = plan(prof, grads, codec, strategy, n, max_partitions=5)
+    assert p.predicted_ms["plan"] == pytest.approx(best * 1e3, rel=1e-12)
+    assert p.predicted_ms["plan"] <= p.predicted_ms["compress_everything"] + 1e-9
+    assert p.predicted_ms["plan"] <= p.predicted_ms["compress_nothing"] + 1e-9
+    assert p.predicted_ms["plan"] <= p.predicted_ms["threshold"] + 1e-9 or any(
+        math.prod(s) * 4 > 4 * 1024 * 1024 * 5 for _, s in grads)
+
+
+def test_large_fixed_cost_makes_the_plan_compress_everything():
+    # a huge per-iteration allreduce cost: leaving anything uncompressed costs it
+    prof = make_profile(4, ar_fixed=1.0)
+    grads = [("w", (1_000_000,)), ("bias", (1000,))]
+    p = plan(prof, grads, CODECS["onebit"], "ps", 4)
+    assert all(g.compress for g in p.gradients)
+    one = decide(prof, 1000, (1000,), CODECS["onebit"], "ps", 4)
+    assert not one.compress  # alone, the shared fixed cost is taken as already paid
+
+
+# ----------------------------------------------------------------------------- edge cases
+def test_world_size_one_never_compresses_and_costs_nothing():
+    prof = make_profile(1)
+    for name, codec in CODECS.items():
+        p = plan(prof, load_gradients("resnet50"), codec, "ps", 1)
+        assert not any(g.compress for g in p.gradients), name
+        assert p.predicted_ms["plan"] == 0.0 and p.predicted_ms["compress_nothing"] == 0.0
+        assert p.predicted_ms["compress_everything"] > 0  # compute without any gain
+    # and a multi-rank profile planned for N = 1 agrees
+    assert not decide(PROFILE4, 10**8, None, CODECS["onebit"], "ring", 1).compress
+
+
+def test_one_element_gradient_is_never_compressed():
+    for n in (2, 4, 16):
+        for name, codec in CODECS.items():
+            e = decide(PROFILE4, 1, (1,), codec, "auto", n, name="scalar")
+            assert not e.compress and e.partitions == 1 and e.strategy == "fused", name
+
+
+def test_gradient_larger_than_any_profiled_size_extrapolates_linearly():
+    # every curve measured up to 16 MiB only
+    d = json.loads(PROFILE4.to_json())
+    for fits in [d["comm"], d["codecs"]["onebit"]]:
+        for f in fits.values():
+            if isinstance(f, dict):
+                f["x_max"] = 16 * 2**20
+    prof = Profile.from_json(json.dumps(d))
+    model = CostModel(prof, 4)
+    c = CODECS["onebit"]
+    huge = 5 * 10**9  # 20 GB of float32
+    enc = prof.codecs["onebit"].encode
+    assert enc(4 * huge) == pytest.approx(enc.a + enc.b * 4 * huge)
+    t1 = model.compressed(c, huge, "ring", 64, True).total_s
+    t2 = model.compressed(c, 2 * huge, "ring", 64, True).total_s
+    assert math.isfinite(t1) and 1.9 < t2 / t1 < 2.1  # linear in size, no blow-up
+    e = decide(model, huge, None, c, "ps", 4)
+    assert e.compress and e.partitions > 1
+    assert model.uncompressed(huge).total_s > e.predicted_ms / 1e3
+
+
+class InflateCodec(Codec):
+    """Payload twice the input: compression ratio 0.5 (not registered)."""
+
+    name = "inflate"
+
+    def _encode(self, flat, shape, name):
+        return [np.repeat(flat, 2)]
+
+    def _decode(self, sections, shape, dtype):
+        return sections[0][::2].astype(dtype)
+
+    def _layout(self, shape, dtype):
+        return [(dtype, 2 * math.prod(shape))]
+
+
+def test_codec_with_ratio_below_one_is_never_compressed():
+    fits = {"inflate": dict(encode=line(0.0, 0.0), decode=line(0.0, 0.0), merge=line(0.0, 0.0))}
+    # compute is free and the network slow: only the ratio can keep it uncompressed
+    prof = make_profile(8, codecs=fits, link_gbs=0.01, step=0.0)
+    codec = InflateCodec()
+    assert codec.compression_ratio((10**6,)) < 1
+    p = plan(prof, load_gradients("vgg19"), codec, "ring", 8)
+    assert not any(g.compress for g in p.gradients)
+    assert p.predicted_ms["plan"] == pytest.approx(p.predicted_ms["compress_nothing"])
+    none = get_codec("none")
+    assert not decide(make_profile(4), 10**7, None, none, "ps", 4).compress
+
+
+def test_low_rank_codec_is_planned_on_the_gradient_shape():
+    # the compressed allreduce hands PowerSGD the matrix: ratio > 1 only for 2-D shapes
+    codec = get_codec("powersgd", rank=1)
+    mat = decide(PROFILE4, 4096 * 1024, (4096, 1024), codec, "ps", 4)
+    flat = decide(PROFILE4, 4096 * 1024, (4096 * 1024,), codec, "ps", 4)
+    assert mat.compress and mat.strategy == "allreduce" and mat.partitions == 1
+    assert not flat.compress
+    p = plan(PROFILE4, [("fc", (4096, 1024)), ("bias", (4096,))], codec, "auto", 4)
+    assert p.entry("fc").compress and not p.entry("bias").compress
+
+
+def test_partition_candidates_and_engine_paths():
+    assert partition_candidates(1) == [1]
+    ks = partition_candidates(10**9, 1024)
+    assert ks[:32] == list(range(1, 33)) and ks[-1] == 1024
+    assert all(b / a < 1.15 for a, b in zip(ks[31:], ks[32:]))
+    assert partition_candidates(50, 1024)[-1] == 50
+    assert engine_paths(CODECS["topk"], "ps") == ("gather",)
+    assert engine_paths(CODECS["randomk"], "ring") == ("allreduce",)
+    assert engine_paths(CODECS["terngrad"], "auto") == ("ps", "ring", "allreduce")
+    assert engine_paths(CODECS["onebit"], "auto") == ("ps", "ring")
+
+
+def test_pipelining_formula_at_one_partition_is_the_serial_sum():
+    model = CostModel(PROFILE4, 4)
+    c = model.compressed(CODECS["onebit"], 10**6, "ps", 1, False)
+    assert c.total_s == pytest.approx(c.compute_s + c.network_s)
+    r = model.compressed(CODECS["onebit"], 10**6, "ring", 1, False)
+    assert r.total_s == pytest.approx(r.compute_s + r.network_s)
+    # partitions help a big gradient, up to a point
+    ts = [model.compressed(CODECS["onebit"], 10**8, "ps", k, False).total_s
+          for k in (1, 4, 16, 10**5)]
+    assert ts[1] < ts[0] and ts[2] < ts[0] and ts[3] > ts[2]
+
+
+def test_comm_scaling_to_other_world_sizes():
+    c8 = PROFILE4.comm_at(8)
+    assert c8.ps_gather.b == pytest.approx(PROFILE4.comm.ps_gather.b * 7 / 3)
+    assert c8.ring_step.b == pytest.approx(PROFILE4.comm.ring_step.b)
+    assert c8.allreduce.b == pytest.approx(PROFILE4.comm.allreduce.b * (14 / 8) / (6 / 4))
+    assert PROFILE4.comm_at(1).allreduce(1e9) == 0.0
+    with pytest.raises(ProfileError, match="one rank"):
+        make_profile(1).comm_at(4)
+
+
+# ----------------------------------------------------------------------------- files
+def _profile_dict():
+    return json.loads(PROFILE4.to_json())
+
+
+def _profile_error(tmp_path, data, text=None):
+    p = tmp_path / "profile.json"
+    p.write_text(text if text is not None else json.dumps(data))
+    with pytest.raises(ProfileError) as info:
+        Profile.load(p)
+    return str(info.value)
+
+
+def test_invalid_profile_files_name_the_field(tmp_path):
+    d = _profile_dict()
+    del d["comm"]["ring_step"]
+    assert "comm.ring_step: Field required" in _profile_error(tmp_path, d)
+    d = _profile_dict()
+    d["codecs"]["onebit"]["encode"]["b"] = -1.0
+    assert "codecs.onebit.encode.b" in _profile_error(tmp_path, d)
+    d = _profile_dict()
+    d["world_size"] = 0
+    assert "world_size" in _profile_error(tmp_path, d)
+    d = _profile_dict()
+    d["comm"]["allgather"]["bogus"] = 1
+    assert "comm.allgather.bogus" in _profile_error(tmp_path, d)
+    d = _profile_dict()
+    d["version"] = 7
+    assert "version: 7 is not supported" in _profile_error(tmp_path, d)
+    assert "not JSON" in _profile_error(tmp_path, None, text="{nope")
+    assert "expect a JSON object" in _profile_error(tmp_path, None, text="[1, 2]")
+    with pytest.raises(ProfileError, match="cannot read"):
+        Profile.load(tmp_path / "missing.json")
+    # a codec the profile lacks: the error names it and lists what there is
+    with pytest.raises(ProfileError, match=r"'qsgd.*onebit"):
+        decide(PROFILE4, 10**6, None, get_codec("qsgd"), "ps", 4)
+
+
+def _plan_error(tmp_path, data):
+    p = tmp_path / "plan.json"
+    p.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as info:
+        Plan.load(p)
+    return str(info.value)
+
+
+def test_invalid_plan_files_name_the_field(tmp_path):
+    good = plan(PROFILE4, load_gradients("resnet50"), CODECS["onebit"], "ps", 4)
+    path = tmp_path / "plan.json"
+    good.save(path)
+    back = Plan.load(path)
+    assert back == good and back.entry("fc.weight") == good.entry("fc.weight")
+    assert back.entry("no.such") is None
+    d = json.loads(good.to_json())
+    d["gradients"][3]["partitions"] = 0
+    assert "gradients.3.partitions" in _plan_error(tmp_path, d)
+    d = json.loads(good.to_json())
+    d["gradients"][2]["name"] = d["gradients"][1]["name"]
+    assert "gradients.2.name" in _plan_error(tmp_path, d)
+    d = json.loads(good.to_json())
+    d["gradients"][0]["strategy"] = "tree"
+    assert "gradients.0.strategy" in _plan_error(tmp_path, d)
+    d = json.loads(good.to_json())
+    d["gradients"][0].update(compress=False, strategy="ps")
+    assert "gradients.0" in _plan_error(tmp_path, d) and "fused" in _plan_error(tmp_path, d)
+    d = json.loads(good.to_json())
+    del d["gradients"][0]["numel"]
+    assert "gradients.0.numel: Field required" in _plan_error(tmp_path, d)
+    d = json.loads(good.to_json())
+    d["strategy"] = "tree"
+    assert "strategy" in _plan_error(tmp_path, d)
+
+
+# ----------------------------------------------------------------------------- MPI
+PROFILE_JOB = r"""
+import sys
+from mpi4py import MPI
+from hipress import cli
+from hipress.secopa import run_profile
+out = sys.argv[1]
+comm = MPI.COMM_WORLD.Dup()
+prof = run_profile(comm, ["fp16", "bf16"], sizes=[256, 1024, 4096],
+                   comm_sizes=[64, 1024, 16384], time_budget_s=0.6)
+with open(f"{out}/rank{comm.rank}.json", "w") as f:
+    f.write(prof.to_json())
+rc = cli.main(["profile", "--codecs", "fp16", "--sizes", "256", "4096", "--comm-sizes", "64",
+               "4096", "--time-budget", "0.3", "-o", f"{out}/cli.json"])
+print(f"rank {comm.rank} elapsed {prof.elapsed_s:.2f} warmup {prof.warmup_s:.2f} rc {rc}")
+"""
+
+
+@pytest.mark.mpi
+def test_profile_under_mpi_is_identical_on_every_rank(tmp_path):
+    proc = run_mpi(2, PROFILE_JOB, [str(tmp_path)], timeout=120)
+    assert_ok(proc)
+    texts = [(tmp_path / f"rank{r}.json").read_text() for r in range(2)]
+    assert texts[0] == texts[1]
+    prof = Profile.load(tmp_path / "rank0.json")
+    assert prof.world_size == 2 and len(prof.hosts) == 2
+    assert set(prof.codecs) == {"fp16", "bf16"}
+    for _, f in prof.comm:
+        assert f(1024) > 0 and len(f.points) >= 2
+    fp16 = prof.codecs["fp16"]
+    assert fp16.n_stages == 1 and fp16.stages is not None
+    assert all(len(getattr(fp16, p).points) >= 2 for p in ("encode", "decode", "merge"))
+    cli_prof = Profile.load(tmp_path / "cli.json")
+    assert set(cli_prof.codecs) == {"fp16"} and cli_prof.world_size == 2
+    assert "SeCoPa profile: 2 rank(s)" in proc.stdout and "comm ring_step" in proc.stdout
+
+
+def test_profile_time_budget_is_enforced():
+    from mpi4py import MPI
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        # default sizes go up to 4 Mi elements: all of them would take far longer than 1 s
+        prof = run_profile(comm, ["fp16", "bf16", "minmax8"], time_budget_s=1.0)
+    finally:
+        comm.Free()
+    assert prof.elapsed_s - prof.warmup_s < 1.0 + 1.0
+    assert prof.world_size == 1 and all(f(1e6) == 0.0 for _, f in prof.comm)
+    xmax = [getattr(c, p).x_max for c in prof.codecs.values() for p in ("encode", "merge")]
+    assert min(xmax) < 4 * 4**11  # some series were cut short by the budget
+    assert all(len(c.encode.points) >= 2 for c in prof.codecs.values())
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_plan_vgg19_writes_a_plan_and_prints_totals(tmp_path, capsys):
+    prof_path = tmp_path / "profile.json"
+    PROFILE4.save(prof_path)
+    out = tmp_path / "plan.json"
+    rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "vgg19", "--strategy",
+                   "ring", "--world-size", "8", "--codec", "onebit", "-o", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    p = Plan.load(out)
+    assert len(p.gradients) == 38 and p.world_size == 8 and p.strategy == "ring"
+    for key, label in (("plan", "plan "), ("compress_everything", "compress-everything"),
+                       ("compress_nothing", "compress-nothing"), ("threshold", "threshold")):
+        assert label in text
+        assert f"{p.predicted_ms[key]:.2f}" in text
+    assert p.predicted_ms["plan"] < p.predicted_ms["compress_nothing"]
+    big = p.entry("classifier.0.weight")
+    assert big.compress and big.strategy == "ring"
+    # errors: one line, exit status 1
+    rc = cli.main(["plan", "--profile", str(tmp_path / "missing.json"), "--gradients",
+                   "vgg19", "--codec", "onebit"])
+    assert rc == 1 and "cannot read SeCoPa profile" in capsys.readouterr().err
+    rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "nosuchnet",
+                   "--codec", "onebit"])
+    assert rc == 1 and "vgg19" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- runtime
+WORLD1 = types.SimpleNamespace(rank=0, size=1, mpi=None)
+
+
+def test_plan_follower_file_and_fixed_policy(tmp_path):
+    grads = [("big", (4_000_000,)), ("small", (10,))]
+    p = plan(PROFILE4, grads, CODECS["onebit"], "ps", 4)
+    path = tmp_path / "plan.json"
+    p.save(path)
+    cfg = config_from_dict({"sync": {"plan": str(path)}})
+    f = PlanFollower(cfg, WORLD1)
+    f.setup()
+    assert f.active and f.mode == "file"
+    big = np.zeros(4_000_000, np.float32)
+    e = p.entry("big")
+    assert e.compress
+    assert f.decide("big", big, CODECS["onebit"], None) == (True, e.partitions, "ps")
+    assert f.decide("small", np.zeros(10, np.float32), CODECS["onebit"], "auto") == (
+        False, 1, "auto")
+    # not in the plan: the fixed policy (min_compress_bytes 64 KiB, 4 MiB partitions)
+    assert f.decide("other", np.zeros(3_000_000, np.float32), CODECS["onebit"], None) == (
+        True, 3, "auto")
+    assert f.decide("other2", np.zeros(100, np.float32), CODECS["onebit"], None)[0] is False
+    assert f.decide("big", big, None, None) == (False, 1, "auto")
+    # sync.plan: none follows the fixed policy too
+    g = PlanFollower(config_from_dict({"sync": {"partitions": 2}}), WORLD1)
+    g.setup()
+    assert not g.active
+    assert g.decide("x", big, CODECS["onebit"], "ring") == (True, 2, "ring")
+    # a broken plan file fails at setup, naming the field
+    bad = json.loads(p.to_json())
+    bad["gradients"][0]["numel"] = -5
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    h = PlanFollower(config_from_dict({"sync": {"plan": str(tmp_path / "bad.json")}}), WORLD1)
+    with pytest.raises(PlanError, match="gradients.0.numel"):
+        h.setup()
+
+
+def test_plan_follower_auto_profiles_the_configured_codec(monkeypatch):
+    from hipress.secopa import runtime
+
+    monkeypatch.setattr(runtime, "AUTO_PROFILE_S", 0.3)
+    calls = {}
+    real = runtime.run_profile
+
+    def fake_run_profile(comm, codecs, time_budget_s):
+        calls["codecs"] = [c.name for c in codecs]
+        calls["budget"] = time_budget_s
+        return real(comm, codecs, sizes=[256, 4096], time_budget_s=time_budget_s)
+
+    monkeypatch.setattr(runtime, "run_profile", fake_run_profile)
+    from mpi4py import MPI
+
+    world = types.SimpleNamespace(rank=0, size=1, mpi=MPI)
+    cfg = config_from_dict({"compression": {"algorithm": "fp16", "rules": [
+        {"pattern": "*.bias", "algorithm": "none"}]}, "sync": {"plan": "auto"}})
+    f = PlanFollower(cfg, world)
+    f.setup()
+    assert calls == {"codecs": ["fp16"], "budget": 0.3}
+    assert f.profile is not None and "fp16" in f.profile.codecs
+    # world size 1: compressing never pays
+    assert f.decide("w", np.zeros(10**6, np.float32), get_codec("fp16"), None) == (
+        False, 1, "auto")
+    # a codec that was not profiled falls back to the fixed policy
+    assert f.decide("w2", np.zeros(10**6, np.float32), get_codec("onebit"), "ps") == (
+        True, 1, "ps")
