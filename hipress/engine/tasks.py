@@ -102,9 +102,13 @@ def _write(job: Job, lo: int, hi: int, value: Any, size: int, scaled: bool = Fal
     """
     xp = array_module(job.out)
     value = xp.asarray(value) if xp is not np else to_host(value)
+    dest = job.out[lo:hi]
     if job.average and not scaled:
-        value = value.astype(compute_dtype(value.dtype), copy=False) / size
-    job.out[lo:hi] = value.astype(job.out.dtype, copy=False)
+        # one pass: divide in the compute dtype, cast on store
+        value = value.astype(compute_dtype(value.dtype), copy=False)
+        xp.divide(value, value.dtype.type(size), out=dest, casting="unsafe")
+    else:
+        dest[...] = value.reshape(-1)
 
 
 # ------------------------------------------------------------------ compute steps

@@ -165,12 +165,10 @@ class ResidualMemory(Memory):
     def compensate(self, name: str, grad: Any) -> Any:
         """Return g + beta * e in float32 (float64 for float64 gradients)."""
         e = self._buffer(name, grad)
-        out = grad.astype(e.dtype, copy=True)
+        xp = array_module(e)
         if self.beta == 1.0:
-            out += e
-        else:
-            out += e * e.dtype.type(self.beta)
-        return out
+            return xp.add(grad, e, dtype=e.dtype)  # one pass, upcasting on the fly
+        return xp.add(grad, e * e.dtype.type(self.beta), dtype=e.dtype)
 
     def update(self, name: str, compensated: Any, decoded: Any) -> None:
         """Store e = compensated - decoded, in place."""
