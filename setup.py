@@ -24,6 +24,7 @@ TORCH_REQUIRES = ["torch>=2.1", "scikit-learn>=1.2", "tqdm>=4.60"]
 TF_REQUIRES = ["tensorflow-cpu>=2.16", "scikit-learn>=1.2", "tqdm>=4.60"]
 MXNET_REQUIRES = ["mxnet==1.9.1", "scikit-learn>=1.1", "tqdm>=4.60"]
 GPU_REQUIRES = ["cupy-cuda12x>=13"]
+BENCH_REQUIRES = ["matplotlib>=3.5"]
 
 setup(
     name="hipress",
@@ -61,7 +62,8 @@ setup(
         "mxnet": MXNET_REQUIRES,
         "gpu": GPU_REQUIRES,
         "test": TEST_REQUIRES,
-        "all": TORCH_REQUIRES + TF_REQUIRES + GPU_REQUIRES + TEST_REQUIRES,
+        "bench": BENCH_REQUIRES,
+        "all": TORCH_REQUIRES + TF_REQUIRES + GPU_REQUIRES + TEST_REQUIRES + BENCH_REQUIRES,
     },
     entry_points={
         "console_scripts": [

@@ -55,6 +55,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeline", default=None, help="HiPress timeline path (last model)")
+    p.add_argument("--plan", default="none",
+                   help="sync.plan for the HiPress rows: none, auto (SeCoPa) or a plan file")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--mpi-args", default="", help="extra mpirun arguments")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -112,7 +114,8 @@ def worker(args: argparse.Namespace) -> None:
     from hipress.codecs import get_codec
 
     comm = MPI.COMM_WORLD
-    hp.init({"timeline": args.timeline, "logging": {"level": "WARNING"}})
+    hp.init({"timeline": args.timeline, "logging": {"level": "WARNING"},
+             "sync": {"plan": args.plan}})
     rank, n = hp.rank(), hp.size()
     systems = args.systems.split(",")
     codecs = [c for c in args.codecs.split(",") if c]
@@ -120,7 +123,8 @@ def worker(args: argparse.Namespace) -> None:
 
     def report(model, system, codec, t, ratio=None, path=""):
         rows.append({"model": model, "system": system, "codec": codec, "time_s": t,
-                     "ratio": ratio, "path": path})
+                     "ratio": ratio, "path": path,
+                     "plan": args.plan if system.startswith("hipress") else ""})
         if rank == 0:
             base = next((r["time_s"] for r in rows if r["model"] == model
                          and r["system"] == "horovod"), None)
@@ -166,6 +170,7 @@ def worker(args: argparse.Namespace) -> None:
                 st = hp.stats()
                 paths = sorted({v["strategy"] for k, v in st.items() if k.startswith(label)})
                 report(model, system, codec, t, ratio, "/".join(paths))
+                hp.reset_state(label)  # residuals of finished configurations: free them
     if rank == 0 and args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     hp.shutdown()

@@ -253,6 +253,14 @@ def load_state_dict(state: Dict[str, Any]) -> None:
     _engine().load_state_dict(state)
 
 
+def reset_state(prefix: str = "") -> int:
+    """Forget the error-feedback residuals of gradients whose names start with ``prefix``.
+
+    For benchmarks and for models that drop layers; returns how many entries were dropped.
+    """
+    return _engine().reset_state(prefix)
+
+
 def stats() -> Dict[str, Dict[str, Any]]:
     """Return per-gradient statistics on this rank.
 

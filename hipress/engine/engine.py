@@ -202,6 +202,14 @@ class Engine:
             out[name] = d
         return out
 
+    def reset_state(self, prefix: str = "") -> int:
+        """Drop the error-feedback state of gradients whose names start with ``prefix``.
+
+        Returns:
+            The number of state entries dropped (all of them for an empty prefix).
+        """
+        return sum(mem.reset_prefix(prefix) for mem in self._memories.values())
+
     def state_dict(self) -> Dict[str, Any]:
         """Return error-feedback memories and codec state, keyed by names (picklable)."""
         return {
@@ -506,8 +514,6 @@ class Engine:
                 fused.setdefault(np.dtype(sub.array.dtype), []).append(job)
             elif path == "allreduce":
                 self._sched.add(T.summable_task(self.env, job, self._next_tag()), sub.name)
-            elif path == "gather":
-                self._sched.add(T.gather_task(self.env, job, self._next_tag()), sub.name)
             else:
                 n = job.flat.size
                 parts = min(sub.partitions or self._partitions(n * job.flat.dtype.itemsize), n)
@@ -519,6 +525,8 @@ class Engine:
                         agg = self._agg_rr % self.size
                         self._agg_rr += 1
                         gen = T.ps_task(self.env, job, lo, hi, p, agg, self._next_tag())
+                    elif path == "gather":
+                        gen = T.gather_task(self.env, job, lo, hi, p, parts, self._next_tag())
                     else:
                         gen = T.ring_task(self.env, job, lo, hi, p, self._next_tag())
                     self._sched.add(gen, f"{sub.name}#p{p}")

@@ -298,25 +298,29 @@ def _own_chunk(job: Job, x: Any, key: str, feedback: bool) -> Any:
     return c
 
 
-def gather_task(env: TaskEnv, job: Job, tag: int) -> Generator:
-    """Gather path for variable-size payloads (DGC, GradDrop, top-k).
+def gather_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, parts: int,
+                tag: int) -> Generator:
+    """Gather path for one partition ``flat[lo:hi]`` of a sparse or variable-size codec.
 
     1. encode with error feedback; 2. send the payload to every other rank and receive
     theirs (sizes differ, so receives probe for the size); 3. decode all N payloads and
     sum them in rank order (value arrays of different ranks are never added element-wise
-    before decoding); 4. average.
+    before decoding); 4. average. Partitions of a large gradient pipeline like PS ones.
     """
     codec, N, me = job.codec, env.size, env.rank
     fb = job.contributes and job.memory.name != "none"
-    own = yield Compute(_encode_step, (env, job, codec, job.flat, job.name, fb, "all"))
-    got = yield from _comm(env, job, "all", "allgather", [
+    label = f"p{part}" if parts > 1 else "all"
+    key = f"{job.name}#{label}" if parts > 1 else job.name
+    own = yield Compute(_encode_step, (env, job, codec, job.flat[lo:hi], key, fb, label))
+    got = yield from _comm(env, job, label, "allgather", [
         Send(r, own[0], tag) for r in range(N) if r != me] + [
         Recv(r, tag, None) for r in range(N) if r != me])
     bufs = list(got[N - 1:])
     bufs.insert(me, own)
-    total = yield Compute(_decode_sum_step, (env, job, codec, bufs, "all"))
-    _write(job, 0, job.flat.size, total, N)
-    _stat(env, job.name, payload_bytes=int(own[0].size), raw_bytes=job.flat.nbytes)
+    total = yield Compute(_decode_sum_step, (env, job, codec, bufs, label))
+    _write(job, lo, hi, total, N)
+    _stat(env, job.name, payload_bytes=int(own[0].size),
+          raw_bytes=(hi - lo) * job.flat.dtype.itemsize)
     job.part_done()
 
 

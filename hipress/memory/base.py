@@ -44,6 +44,13 @@ class Memory:
         else:
             self._state.clear()
 
+    def reset_prefix(self, prefix: str) -> int:
+        """Forget the state of every gradient whose name starts with ``prefix``; count them."""
+        keys = [k for k in self._state if k.startswith(prefix)]
+        for k in keys:
+            del self._state[k]
+        return len(keys)
+
     def __contains__(self, name: str) -> bool:
         return name in self._state
 

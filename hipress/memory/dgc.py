@@ -164,6 +164,12 @@ class DGCMemory(Memory):
             self._state.clear()
             self._pending.clear()
 
+    def reset_prefix(self, prefix: str) -> int:
+        """Forget momentum and accumulation of every gradient starting with ``prefix``."""
+        for k in [k for k in self._pending if k.startswith(prefix)]:
+            del self._pending[k]
+        return super().reset_prefix(prefix)
+
     def __contains__(self, name: str) -> bool:
         return f"{name}/v" in self._state
 
