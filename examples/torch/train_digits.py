@@ -123,6 +123,21 @@ def evaluate(model, x, y, rank, size):
     return correct, len(ys), loss
 
 
+class _LineStream:
+    """File-like wrapper that turns tqdm's carriage-return redraws into whole lines."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def main(argv=None) -> float:
     args = parse_args(argv)
     torch.set_num_threads(1)
@@ -153,8 +168,12 @@ def main(argv=None) -> float:
         batches = torch.split(idx, args.batch_size)
         it = batches
         if progress is not None:
+            # under mpirun/hipressrun stderr is a pipe that is relayed line by line: give the
+            # bar whole lines (one per second) instead of carriage-return redraws
+            tty = sys.stderr.isatty()
             it = progress(batches, desc=f"epoch {epoch}/{args.epochs}", leave=False,
-                          unit="batch", file=sys.stderr)
+                          unit="batch", file=sys.stderr if tty else _LineStream(sys.stderr),
+                          mininterval=0.1 if tty else 1.0, ncols=None if tty else 70)
         loss_sum = 0.0
         for b in it:
             opt.zero_grad()
