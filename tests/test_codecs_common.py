@@ -7,6 +7,7 @@ constructor needs a parameter without default gets one from ``PARAMS``.
 
 from __future__ import annotations
 
+import pickle
 import struct
 
 import numpy as np
@@ -312,6 +313,27 @@ def test_error_feedback_tracks_the_sum_of_inputs(name):
     # sum(decoded) = sum(inputs) - e_T, up to float32 rounding of each step
     np.testing.assert_allclose(sum_in - sum_out, e, rtol=0, atol=steps * 4e-7 * scale * 4)
     assert np.linalg.norm(e) <= 0.99 * np.linalg.norm(sum_in), "the codec sent nothing"
+
+
+# ------------------------------------------------------ step counters of stochastic codecs
+@pytest.mark.parametrize("name,state", [
+    ("randomk", {"w": 2}), ("dgc", {"w": 2}), ("graddrop", {"w": 2}),
+    ("terngrad", {"steps": {"w": 2}}), ("qsgd", {"steps": {"w": 2}}),
+])
+def test_step_counters_checkpoint_and_pickle(name, state):
+    x = np.random.default_rng(0).standard_normal(20_000).astype(np.float32)
+    a = make(name)
+    first = a.encode(x, "w").to_bytes()
+    a.encode(x, "w")
+    assert a.state_dict() == state
+    clone = pickle.loads(pickle.dumps(a))  # the counters' lock is dropped and recreated
+    resumed = make(name)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(a.state_dict())))
+    want = a.encode(x, "w").to_bytes()
+    assert clone.encode(x, "w").to_bytes() == want == resumed.encode(x, "w").to_bytes()
+    assert want != first  # the stream moved on
+    with pytest.raises(CodecError, match="non-negative integer"):
+        make(name).load_state_dict({"w": -1} if "w" in state else {"steps": {"w": -1}})
 
 
 # ------------------------------------------------------------- casting specifics

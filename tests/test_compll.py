@@ -258,6 +258,22 @@ def test_terngrad_rank_and_checkpointed_steps():
         c.load_state_dict({"steps": {"g": -1}})
 
 
+def test_random_stream_is_the_codecs_contract():
+    from hipress.codecs import _kernels_quant as kq
+
+    assert runtime.stream_key is kq.stream_key  # one definition of the key
+    key = runtime.stream_key(3, "w", 5, 1)
+    u = runtime.uniform(np, 1001, key)
+    assert u.dtype == np.float32 and u.shape == (1001,)
+    np.testing.assert_array_equal(u, kq.uniform_u24(np, 1001, key) / 2.0**24)
+    m = (1 << 64) - 1  # SplitMix64 of pair 0, written out: elements 0 and 1
+    z = (key + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    z ^= z >> 31
+    assert u[:2].tolist() == [(z >> 40) / 2.0**24, ((z >> 8) & 0xFFFFFF) / 2.0**24]
+
+
 @pytest.mark.parametrize("name", SPECS)
 def test_non_finite_gradients_are_refused(name):
     c = gen(name, **PARAMS.get(name, {}))

@@ -28,22 +28,12 @@ codec checks the largest selected magnitude and raises
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Dict, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Optional
 
-import numpy as np
-
-from hipress.backend import array_module
 from hipress.codecs import ops
-from hipress.codecs.base import Codec, Layout, register_codec
-from hipress.codecs.graddrop import (
-    StepCounterMixin,
-    check_sample_ratio,
-    check_seed,
-    sample_size_for,
-    selection_bound,
-    threshold_indices,
-)
-from hipress.codecs.topk import check_selected_finite, decode_sparse, index_dtype
+from hipress.codecs.base import register_codec
+from hipress.codecs.graddrop import ThresholdSparsifier, check_sample_ratio
+from hipress.codecs.state import check_seed
 from hipress.errors import CodecError
 
 
@@ -83,7 +73,7 @@ def check_clip_norm(clip_norm: Any, what: str) -> Optional[float]:
 
 
 @register_codec("dgc", codec_id=22)
-class DGCCodec(StepCounterMixin, Codec):
+class DGCCodec(ThresholdSparsifier):
     """Send about ``ratio * n`` largest-magnitude elements, chosen by a sampled threshold.
 
     The codec half of Deep Gradient Compression (Lin et al., ICLR 2018). Run it with the
@@ -123,11 +113,6 @@ class DGCCodec(StepCounterMixin, Codec):
         CodecError: a parameter is out of range.
     """
 
-    variable_size = True
-    stochastic = True
-    error_feedback = True
-    #: A sum of sparse payloads is denser than one payload: the engine gathers them.
-    mergeable = False
     #: Memory the engine should pair with this codec under ``memory: auto``.
     default_memory: ClassVar[str] = "dgc"
 
@@ -138,7 +123,7 @@ class DGCCodec(StepCounterMixin, Codec):
         self.momentum = check_momentum(momentum, "dgc")
         self.clip_norm = check_clip_norm(clip_norm, "dgc")
         self.seed = check_seed(seed, "dgc")
-        self._steps = {}
+        self._init_steps()
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters."""
@@ -152,21 +137,3 @@ class DGCCodec(StepCounterMixin, Codec):
     def k_for(self, n: int) -> int:
         """Return the target number of sent elements out of ``n``."""
         return ops.k_for_ratio(self.ratio, n)
-
-    def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
-        n = int(np.prod(shape, dtype=np.int64))
-        bound = selection_bound(self.k_for(n), n)
-        return [(index_dtype(n), bound), (dtype, bound)]
-
-    def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
-        xp = array_module(flat)
-        n = int(flat.size)
-        rng = ops.rng_for(xp, self.seed, name, self._next_step(name))
-        idx = threshold_indices(flat, self.k_for(n), sample_size_for(n, self.sample_ratio),
-                                rng)
-        idx, values = ops.sparsify(flat, idx)
-        check_selected_finite(values, name)
-        return [idx, values]
-
-    def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
-        return decode_sparse(sections, int(np.prod(shape, dtype=np.int64)), dtype)

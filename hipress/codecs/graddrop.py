@@ -12,8 +12,9 @@ Wire layout (variable size, at most ``bound = min(n, 2k)`` entries)::
     section 0: indices, int32 (int64 when n >= 2**31), m <= bound elements, ascending
     section 1: values,  the gradient's dtype,           m elements, bit-for-bit copies
 
-This module also holds :func:`threshold_indices`, the sampled-threshold selection DGC
-shares.
+This module also holds what DGC shares: :func:`threshold_indices`, the sampled-threshold
+selection, and :class:`ThresholdSparsifier`, the codec body of both (they differ only in
+how k is computed).
 
 NaN/Inf policy: NaN and ±Inf have the largest magnitude keys and are always selected (see
 :func:`threshold_indices`); the codec checks the largest selected magnitude and raises
@@ -22,9 +23,9 @@ NaN/Inf policy: NaN and ±Inf have the largest magnitude keys and are always sel
 
 from __future__ import annotations
 
+import abc
 import logging
 import math
-import numbers
 from typing import Any, Dict, Sequence, Tuple
 
 import numpy as np
@@ -32,6 +33,7 @@ import numpy as np
 from hipress.backend import array_module
 from hipress.codecs import ops
 from hipress.codecs.base import Codec, Layout, register_codec
+from hipress.codecs.state import StepCounterMixin, check_seed
 from hipress.codecs.topk import (
     check_selected_finite,
     decode_sparse,
@@ -113,53 +115,54 @@ def check_sample_ratio(sample_ratio: float, what: str) -> float:
     return ops.check_ratio(sample_ratio, what)
 
 
-def check_seed(seed: Any, what: str) -> int:
-    """Return ``seed`` as an int.
+class ThresholdSparsifier(StepCounterMixin, Codec):
+    """Base of the sampled-threshold sparsifiers (DGC, GradDrop): they differ only in k.
 
-    Raises:
-        CodecError: ``seed`` is not an integer.
+    Encode keeps about k = :meth:`k_for` (n) elements, selected by
+    :func:`threshold_indices` from a sample of ``sample_size_for(n, sample_ratio)``
+    elements drawn from ``ops.rng_for(seed, name, step)`` (step: a per-gradient counter,
+    checkpointed flat as ``{name: step}``), and refuses a non-finite largest selected
+    magnitude. The wire layout is the module's (indices, then values, at most
+    ``selection_bound(k, n)`` each); decode scatters the values into zeros.
+
+    Subclasses set ``seed`` and ``sample_ratio``, call :meth:`_init_steps` and define
+    :meth:`k_for`.
     """
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise CodecError(f"{what} seed must be an integer, got {seed!r}")
-    return int(seed)
 
+    variable_size = True
+    stochastic = True
+    error_feedback = True
+    #: A sum of sparse payloads is denser than one payload: the engine gathers them.
+    mergeable = False
 
-class StepCounterMixin:
-    """Per-gradient step counters that key random streams; checkpointed as ``{name: step}``."""
+    seed: int
+    sample_ratio: float
 
-    _steps: Dict[str, int]
+    @abc.abstractmethod
+    def k_for(self, n: int) -> int:
+        """Return the target number of kept elements out of ``n``."""
 
-    def _next_step(self, name: str) -> int:
-        """Return the step to use for ``name`` now and advance its counter."""
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        return step
+    def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
+        n = int(np.prod(shape, dtype=np.int64))
+        bound = selection_bound(self.k_for(n), n)
+        return [(index_dtype(n), bound), (dtype, bound)]
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Return ``{gradient name: next step}`` (plain ints)."""
-        return dict(self._steps)
+    def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
+        xp = array_module(flat)
+        n = int(flat.size)
+        rng = ops.rng_for(xp, self.seed, name, self._next_step(name))
+        idx = threshold_indices(flat, self.k_for(n), sample_size_for(n, self.sample_ratio),
+                                rng)
+        idx, values = ops.sparsify(flat, idx)
+        check_selected_finite(values, name)
+        return [idx, values]
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore the step counters of :meth:`state_dict`.
-
-        Raises:
-            CodecError: a value is not a non-negative integer.
-        """
-        steps = {}
-        for k, v in state.items():
-            if isinstance(v, np.ndarray) and v.ndim == 0:
-                v = v.item()
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
-                raise CodecError(
-                    f"step counter of {k!r} must be a non-negative integer, got {v!r} "
-                    "(was the checkpoint made by another codec?)"
-                )
-            steps[str(k)] = int(v)
-        self._steps = steps
+    def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
+        return decode_sparse(sections, int(np.prod(shape, dtype=np.int64)), dtype)
 
 
 @register_codec("graddrop", codec_id=23)
-class GradDropCodec(StepCounterMixin, Codec):
+class GradDropCodec(ThresholdSparsifier):
     """Drop the ``drop_ratio`` smallest-magnitude elements, found by a sampled threshold.
 
     Gradient Dropping (Aji & Heafield, EMNLP 2017), with residual error feedback: what is
@@ -185,12 +188,6 @@ class GradDropCodec(StepCounterMixin, Codec):
         CodecError: a parameter is out of range.
     """
 
-    variable_size = True
-    stochastic = True
-    error_feedback = True
-    #: A sum of sparse payloads is denser than one payload: the engine gathers them.
-    mergeable = False
-
     def __init__(self, drop_ratio: float = 0.99, sample_ratio: float = 0.001,
                  seed: int = 0) -> None:
         try:
@@ -205,7 +202,7 @@ class GradDropCodec(StepCounterMixin, Codec):
         self.drop_ratio = d
         self.sample_ratio = check_sample_ratio(sample_ratio, "graddrop sample_ratio")
         self.seed = check_seed(seed, "graddrop")
-        self._steps = {}
+        self._init_steps()
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters."""
@@ -216,21 +213,3 @@ class GradDropCodec(StepCounterMixin, Codec):
         """Return the target number of kept elements out of ``n``."""
         # round() keeps 1 - 0.9 at 0.1 rather than 0.09999999999999998 (k of 100 is 10).
         return ops.k_for_ratio(round(1.0 - self.drop_ratio, 12), n)
-
-    def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
-        n = int(np.prod(shape, dtype=np.int64))
-        bound = selection_bound(self.k_for(n), n)
-        return [(index_dtype(n), bound), (dtype, bound)]
-
-    def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
-        xp = array_module(flat)
-        n = int(flat.size)
-        rng = ops.rng_for(xp, self.seed, name, self._next_step(name))
-        idx = threshold_indices(flat, self.k_for(n), sample_size_for(n, self.sample_ratio),
-                                rng)
-        idx, values = ops.sparsify(flat, idx)
-        check_selected_finite(values, name)
-        return [idx, values]
-
-    def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
-        return decode_sparse(sections, int(np.prod(shape, dtype=np.int64)), dtype)

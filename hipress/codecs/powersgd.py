@@ -48,6 +48,7 @@ import numpy as np
 from hipress.backend import array_module, compute_dtype, to_host
 from hipress.codecs import ops
 from hipress.codecs.base import Codec, Layout, Stage, register_codec
+from hipress.codecs.state import check_seed
 from hipress.errors import CodecError
 
 logger = logging.getLogger(__name__)
@@ -183,11 +184,9 @@ class PowerSGDCodec(Codec):
             raise CodecError(
                 f"powersgd orthogonalization_epsilon must be finite and >= 0, got {eps!r}"
             )
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise CodecError(f"powersgd seed must be an integer, got {seed!r}")
         self.rank = int(rank)
         self.min_compression_rate = rate
-        self.seed = int(seed)
+        self.seed = check_seed(seed, "powersgd")
         self.orthogonalization_epsilon = eps
         self._q: Dict[str, Any] = {}
 

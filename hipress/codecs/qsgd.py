@@ -35,7 +35,7 @@ from hipress.codecs import _kernels_quant as kq
 from hipress.codecs import ops
 from hipress.codecs.base import Codec, Layout, register_codec
 from hipress.codecs.onebit import decode_sign_bits
-from hipress.codecs.terngrad import SeededStreamMixin
+from hipress.codecs.state import SeededStreamMixin
 from hipress.errors import CodecError
 
 
@@ -125,7 +125,7 @@ class QSGDCodec(SeededStreamMixin, Codec):
                 f"qsgd levels must be in [1, 255] (indices travel as uint8), got {levels!r}"
             )
         self.levels = int(levels)
-        self._init_stream(seed)
+        self._init_stream(seed, "qsgd")
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters."""

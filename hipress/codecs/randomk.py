@@ -40,7 +40,7 @@ import numpy as np
 from hipress.backend import array_module, check_gradient_dtype, compute_dtype
 from hipress.codecs import ops
 from hipress.codecs.base import Codec, Layout, Stage, register_codec
-from hipress.codecs.graddrop import StepCounterMixin, check_seed
+from hipress.codecs.state import StepCounterMixin, check_seed
 from hipress.codecs.topk import check_selected_finite, index_dtype
 from hipress.errors import PayloadError
 
@@ -159,7 +159,7 @@ class RandomKCodec(StepCounterMixin, Codec):
     def __init__(self, ratio: float = 0.01, seed: int = 0) -> None:
         self.ratio = ops.check_ratio(ratio, "randomk ratio")
         self.seed = check_seed(seed, "randomk")
-        self._steps: Dict[str, int] = {}
+        self._init_steps()
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters."""

@@ -30,7 +30,6 @@ instead of one rank leaving its peers waiting.
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Dict, Generator, Sequence, Tuple
 
 import numpy as np
@@ -39,72 +38,9 @@ from hipress.backend import array_module, check_gradient_dtype, compute_dtype
 from hipress.codecs import _kernels_quant as kq
 from hipress.codecs import ops
 from hipress.codecs.base import Codec, Layout, Stage, register_codec
+from hipress.codecs.state import SeededStreamMixin
 from hipress.codecs.tbq import decode_ternary_codes
 from hipress.errors import CodecError
-
-
-class SeededStreamMixin:
-    """Per-gradient-name step counters and the rank, for stochastic codecs.
-
-    Each encode of gradient ``name`` uses step ``k`` (0, 1, 2, ...) and then advances it,
-    so repeated encodes draw fresh numbers, and a checkpoint that restores the counters
-    resumes the same streams. ``rank`` (int >= 0, default 0) is set by the engine through
-    :meth:`bind` (or assigned directly) so that ranks draw independent numbers.
-    """
-
-    seed: int
-    rank: int
-
-    def _init_stream(self, seed: Any) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise CodecError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        if not 0 <= int(seed) < 2**32:
-            raise CodecError(f"seed must be in [0, 2**32), got {seed!r}")
-        self.seed = int(seed)
-        self.rank = 0
-        self._steps: Dict[str, int] = {}
-        self._steps_lock = threading.Lock()
-
-    def bind(self, rank: int, world_size: int) -> None:
-        """Set the rank mixed into the random streams (the engine calls this once).
-
-        Raises:
-            CodecError: ``rank`` is not an integer in [0, world_size).
-        """
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-            raise CodecError(f"rank must be an integer, got {rank!r}")
-        if not 0 <= int(rank) < max(int(world_size), 1):
-            raise CodecError(f"rank {rank} is outside [0, {world_size})")
-        self.rank = int(rank)
-
-    def _next_key(self, name: str) -> int:
-        """Return the stream key of this encode of ``name`` and advance its step."""
-        with self._steps_lock:
-            step = self._steps.get(name, 0)
-            self._steps[name] = step + 1
-        return kq.stream_key(self.seed, name, step, self.rank)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """Return ``{"steps": {gradient name: next step}}`` (plain ints, picklable)."""
-        with self._steps_lock:
-            return {"steps": dict(self._steps)}
-
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore the step counters saved by :meth:`state_dict`.
-
-        Raises:
-            CodecError: unknown keys, or a step that is not an integer >= 0.
-        """
-        extra = set(state) - {"steps"}
-        if extra:
-            raise CodecError(f"unknown codec state keys {sorted(extra)}; expect only 'steps'")
-        steps = {}
-        for k, v in dict(state.get("steps", {})).items():
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise CodecError(f"step counter of {k!r} must be an integer >= 0, got {v!r}")
-            steps[str(k)] = int(v)
-        with self._steps_lock:
-            self._steps = steps
 
 
 def ternary_reference(flat: Any, scale: float, key: int, out_dtype: Any) -> Any:
@@ -165,7 +101,7 @@ class TernGradCodec(SeededStreamMixin, Codec):
     use_fast_path = True
 
     def __init__(self, seed: int = 0) -> None:
-        self._init_stream(seed)
+        self._init_stream(seed, "terngrad")
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters."""

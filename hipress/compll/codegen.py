@@ -35,6 +35,7 @@ from hipress.compll.plan import (
     Store,
     np_dtype,
     plan,
+    reduce_identity,
 )
 
 #: Bump when generated code changes meaning: it is part of every cache key.
@@ -175,7 +176,7 @@ def _wrapper(loop: Loop) -> str:
         elif isinstance(o, Reduce):
             t = o.out.ty
             dt = np_dtype(t) if t.is_float else "np.int64"
-            ident = cuda.identity(o.op, t)
+            ident = reduce_identity(o.op, t)
             lines.append(f"    part{j} = xp.full(grid, {_pyrepr(ident)}, {dt})")
             cargs.append(f"part{j}")
             rets.append(f"_rt.finish(part{j}, {o.op!r}, {np_dtype(t) if t.is_float else 'int'})")

@@ -21,7 +21,16 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from hipress.compll import typesys as T
-from hipress.compll.plan import GROUP, TE, Compact, Loop, Reduce, Store
+from hipress.compll.plan import (
+    GROUP,
+    TE,
+    Compact,
+    Loop,
+    Reduce,
+    Store,
+    TemplateEmitter,
+    reduce_identity,
+)
 
 _NP = {"float": "np.float32", "double": "np.float64", "int": "np.int64", "long": "np.int64",
        "uint": "np.int64", "bool": "np.bool_"}
@@ -51,115 +60,68 @@ def conv(code: str, src: T.Scalar, dst: T.Scalar) -> str:
     return f"np.int64({code})"
 
 
-class Emitter:
-    """Emit the per-element body of a loop, sharing equal sub-expressions."""
+class Emitter(TemplateEmitter):
+    """Emit the per-element body of a loop as Numba Python, sharing equal sub-expressions."""
+
+    literal = staticmethod(literal)
+    conv = staticmethod(conv)
+    NOT = "(not {x})"
+    LOGIC = {"&&": "({x} and {y})", "||": "({x} or {y})"}
+    COND = "({x} if {c} else {y})"
+    MINMAX = {"min": "({y} if {y} < {x} else {x})", "max": "({y} if {y} > {x} else {x})"}
 
     def __init__(self, args: Dict[str, str], index: str = "i", group: int = GROUP) -> None:
-        self.args = args  # host variable -> kernel argument name
-        self.index = index
+        super().__init__(args, index)
         self.group = group
-        self.lines: List[str] = []
-        self.memo: Dict[tuple, str] = {}
-        self.n = 0
         self.pair_rand = False  # random(...) at the loop index: one hash per pair of elements
         self.group_loads: Dict[str, int] = {}  # packed inputs read whole per group: arg -> bits
 
-    def value(self, te: TE) -> str:
-        """Return an expression (often a local) holding ``te`` for the current element."""
-        k = te.kind
-        if k == "const":
-            return literal(te.val, te.ty)
-        if k == "host":
-            return self.args[te.val.var]
-        if k == "index":
-            return self.index
-        hit = self.memo.get(te.key)
-        if hit is not None:
-            return hit
-        code = self.compute(te)
-        var = f"v{self.n}"
-        self.n += 1
-        self.lines.append(f"{var} = {code}")
-        self.memo[te.key] = var
-        return var
+    def declare(self, var: str, te: TE, code: str) -> str:
+        """Return ``var = code``."""
+        return f"{var} = {code}"
 
-    def typed(self, te: TE, dst: T.Scalar) -> str:
-        """Return ``te`` converted to ``dst`` (constants become literals of ``dst``)."""
-        if te.kind == "const" and not (dst.kind == "bool") and not (
-                isinstance(te.val, float) and not dst.is_float):
-            return literal(te.val, dst)
-        return conv(self.value(te), te.ty, dst)
+    def _load(self, te: TE) -> str:
+        arr = te.val
+        idx = self.value(te.args[0])
+        name = self.args[arr.var]
+        if arr.elem.packed and te.args[0].kind == "index" and self.index == "i":
+            # codes of the current group were read into one word before the group
+            b = arr.elem.bits
+            self.group_loads[name] = b
+            return (f"np.int64((gw_{name} >> np.uint64({b} * ({self.group - 1} - j))) & "
+                    f"np.uint64({arr.elem.max_value}))")
+        if arr.elem.packed:
+            b = arr.elem.bits
+            return (f"np.int64(({name}[({idx} * {b}) >> 3] >> (8 - {b} - (({idx} * {b}) & 7)))"
+                    f" & {arr.elem.max_value})")
+        if arr.elem.kind in ("int", "long", "uint"):
+            return f"np.int64({name}[{idx}])"
+        return f"{name}[{idx}]"
 
-    def compute(self, te: TE) -> str:
-        """Return the expression computing ``te`` from its operands' locals."""
-        k, a = te.kind, te.args
-        if k == "load":
-            arr = te.val
-            idx = self.value(a[0])
-            name = self.args[arr.var]
-            if arr.elem.packed and a[0].kind == "index" and self.index == "i":
-                # codes of the current group were read into one word before the group
-                b = arr.elem.bits
-                self.group_loads[name] = b
-                return (f"np.int64((gw_{name} >> np.uint64({b} * ({self.group - 1} - j))) & "
-                        f"np.uint64({arr.elem.max_value}))")
-            if arr.elem.packed:
-                b = arr.elem.bits
-                return (f"np.int64(({name}[({idx} * {b}) >> 3] >> (8 - {b} - (({idx} * {b}) & 7)))"
-                        f" & {arr.elem.max_value})")
-            if arr.elem.kind in ("int", "long", "uint"):
-                return f"np.int64({name}[{idx}])"
-            return f"{name}[{idx}]"
-        if k == "rand":
-            if a[0].kind == "index" and self.index == "i":
-                self.pair_rand = True
-                return "_u24pair(zp[j >> 1], j)"
-            return f"_u24f({self.value(a[0])}, key)"
-        if k == "unary":
-            x = self.value(a[0])
-            if te.val == "!":
-                return f"(not {conv(x, a[0].ty, T.BOOL)})"
-            return f"(-{conv(x, a[0].ty, te.ty)})"
-        if k == "binary":
-            op = te.val
-            if op in ("&&", "||"):
-                x, y = self.value(a[0]), self.value(a[1])
-                py = "and" if op == "&&" else "or"
-                return f"({conv(x, a[0].ty, T.BOOL)} {py} {conv(y, a[1].ty, T.BOOL)})"
-            t = te.opty
-            x, y = self.typed(a[0], t), self.typed(a[1], t)
-            if op == "/" and not t.is_float:
-                return f"_idiv({x}, {y})"
-            if op == "%":
-                return f"_imod({x}, {y})"
-            return f"({x} {op} {y})"
-        if k == "cond":
-            c = conv(self.value(a[0]), a[0].ty, T.BOOL)
-            return f"({self.typed(a[1], te.ty)} if {c} else {self.typed(a[2], te.ty)})"
-        if k == "cast":
-            return conv(self.value(a[0]), a[0].ty, te.ty)
-        if k == "call":
-            f = te.val
-            if f in ("min", "max"):
-                t = te.opty
-                x = conv(self.value(a[0]), a[0].ty, t)
-                y = conv(self.value(a[1]), a[1].ty, t)
-                cmp = "<" if f == "min" else ">"
-                return f"({y} if {y} {cmp} {x} else {x})"
-            x = conv(self.value(a[0]), a[0].ty, te.ty)
-            if f == "abs":
-                return f"abs({x})"
-            return f"{_NP[te.ty.kind]}(np.{f}({x}))"
-        raise AssertionError(f"unknown template kind {k}")  # pragma: no cover
+    def _rand(self, te: TE) -> str:
+        if te.args[0].kind == "index" and self.index == "i":
+            self.pair_rand = True
+            return "_u24pair(zp[j >> 1], j)"
+        return f"_u24f({self.value(te.args[0])}, key)"
+
+    def _binary(self, op: str, t: T.Scalar, x: str, y: str) -> str:
+        if op == "/" and not t.is_float:
+            return f"_idiv({x}, {y})"
+        if op == "%":
+            return f"_imod({x}, {y})"
+        return f"({x} {op} {y})"
+
+    def _call(self, f: str, ty: T.Scalar, x: str) -> str:
+        if f == "abs":
+            return f"abs({x})"
+        return f"{_NP[ty.kind]}(np.{f}({x}))"
 
 
 def _identity(op: str, t: T.Scalar) -> str:
-    if op == "+":
-        return "0"
-    if t.is_float:
-        return "-np.inf" if op == "max" else "np.inf"
-    lim = np.iinfo(np.int64)
-    return str(lim.min if op == "max" else lim.max)
+    v = reduce_identity(op, t)
+    if isinstance(v, float):
+        return "-np.inf" if v < 0 else "np.inf"
+    return str(v)
 
 
 def _elem_np(t: T.Scalar) -> str:
@@ -169,15 +131,8 @@ def _elem_np(t: T.Scalar) -> str:
 def kernel_signature(loop: Loop) -> Tuple[List[str], Dict[str, str]]:
     """Return (kernel argument names, host var -> argument) of a loop's inputs."""
     arrays, scalars, rand = loop.inputs()
-    names, mapping = ["n_"], {}
-    for i, a in enumerate(arrays):
-        mapping[a.var] = f"in{i}"
-        names.append(f"in{i}")
-    for i, s in enumerate(scalars):
-        mapping[s.var] = f"s{i}"
-        names.append(f"s{i}")
-    if rand:
-        names.append("key")
+    mapping = loop.arg_names()
+    names = ["n_"] + [mapping[h.var] for h in arrays + scalars] + (["key"] if rand else [])
     return names, mapping
 
 

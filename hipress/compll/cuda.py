@@ -25,7 +25,15 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from hipress.compll import typesys as T
-from hipress.compll.plan import TE, Compact, Loop, Reduce, Store
+from hipress.compll.plan import (
+    TE,
+    Compact,
+    Loop,
+    Reduce,
+    Store,
+    TemplateEmitter,
+    reduce_identity,
+)
 
 BLOCK = 256
 _C = {"float": "float", "double": "double", "int": "int", "long": "long long", "uint": "int",
@@ -92,87 +100,39 @@ def conv(code: str, src: T.Scalar, dst: T.Scalar) -> str:
 _FLOAT_FN = {"sqrt": "sqrt", "floor": "floor", "ceil": "ceil", "rint": "rint", "abs": "fabs"}
 
 
-class Emitter:
-    """Emit a kernel's per-element body, sharing equal sub-expressions."""
+class Emitter(TemplateEmitter):
+    """Emit a kernel's per-element body as CUDA C, sharing equal sub-expressions."""
 
-    def __init__(self, args: Dict[str, str], index: str = "i") -> None:
-        self.args = args
-        self.index = index
-        self.lines: List[str] = []
-        self.memo: Dict[tuple, str] = {}
-        self.n = 0
+    literal = staticmethod(literal)
+    conv = staticmethod(conv)
+    NOT = "(!{x})"
+    LOGIC = {"&&": "({x} && {y})", "||": "({x} || {y})"}
+    COND = "({c} ? {x} : {y})"
+    MINMAX = {"min": "(({y} < {x}) ? {y} : {x})", "max": "(({y} > {x}) ? {y} : {x})"}
 
-    def value(self, te: TE) -> str:
-        """Return a C expression (often a local) holding ``te``."""
-        if te.kind == "const":
-            return literal(te.val, te.ty)
-        if te.kind == "host":
-            return self.args[te.val.var]
-        if te.kind == "index":
-            return self.index
-        hit = self.memo.get(te.key)
-        if hit is not None:
-            return hit
-        code = self.compute(te)
-        var = f"v{self.n}"
-        self.n += 1
-        self.lines.append(f"const {ctype(te.ty)} {var} = {code};")
-        self.memo[te.key] = var
-        return var
+    def declare(self, var: str, te: TE, code: str) -> str:
+        """Return ``const <type> var = code;``."""
+        return f"const {ctype(te.ty)} {var} = {code};"
 
-    def typed(self, te: TE, dst: T.Scalar) -> str:
-        """Return ``te`` converted to ``dst`` (constants become literals of ``dst``)."""
-        if te.kind == "const" and not (dst.kind == "bool") and not (
-                isinstance(te.val, float) and not dst.is_float):
-            return literal(te.val, dst)
-        return conv(self.value(te), te.ty, dst)
+    def _load(self, te: TE) -> str:
+        arr = te.val
+        idx = self.value(te.args[0])
+        name = self.args[arr.var]
+        if arr.elem.packed:
+            b = arr.elem.bits
+            return (f"(int)(({name}[({idx} * {b}) >> 3] >> "
+                    f"(8 - {b} - (int)(({idx} * {b}) & 7))) & {arr.elem.max_value})")
+        return f"(({ctype(arr.elem)}){name}[{idx}])"
 
-    def compute(self, te: TE) -> str:
-        """Return the C expression computing ``te`` from its operands."""
-        k, a = te.kind, te.args
-        if k == "load":
-            arr = te.val
-            idx = self.value(a[0])
-            name = self.args[arr.var]
-            if arr.elem.packed:
-                b = arr.elem.bits
-                return (f"(int)(({name}[({idx} * {b}) >> 3] >> "
-                        f"(8 - {b} - (int)(({idx} * {b}) & 7))) & {arr.elem.max_value})")
-            return f"(({ctype(arr.elem)}){name}[{idx}])"
-        if k == "rand":
-            return f"hp_rand({self.value(a[0])}, key)"
-        if k == "unary":
-            x = self.value(a[0])
-            if te.val == "!":
-                return f"(!{conv(x, a[0].ty, T.BOOL)})"
-            return f"(-{conv(x, a[0].ty, te.ty)})"
-        if k == "binary":
-            op = te.val
-            if op in ("&&", "||"):
-                x, y = self.value(a[0]), self.value(a[1])
-                return f"({conv(x, a[0].ty, T.BOOL)} {op} {conv(y, a[1].ty, T.BOOL)})"
-            t = te.opty
-            return f"({self.typed(a[0], t)} {op} {self.typed(a[1], t)})"
-        if k == "cond":
-            c = conv(self.value(a[0]), a[0].ty, T.BOOL)
-            return f"({c} ? {self.typed(a[1], te.ty)} : {self.typed(a[2], te.ty)})"
-        if k == "cast":
-            return conv(self.value(a[0]), a[0].ty, te.ty)
-        if k == "call":
-            f = te.val
-            if f in ("min", "max"):
-                t = te.opty
-                x = conv(self.value(a[0]), a[0].ty, t)
-                y = conv(self.value(a[1]), a[1].ty, t)
-                return f"(({y} {'<' if f == 'min' else '>'} {x}) ? {y} : {x})"
-            x = conv(self.value(a[0]), a[0].ty, te.ty)
-            if te.ty.is_float:
-                fn = _FLOAT_FN[f] + ("f" if te.ty.kind == "float" else "")
-                return f"{fn}({x})"
-            if f == "abs":
-                return f"({x} < 0 ? -{x} : {x})"
-            return x  # floor/ceil/rint of an integer are the integer itself
-        raise AssertionError(f"unknown template kind {k}")  # pragma: no cover
+    def _rand(self, te: TE) -> str:
+        return f"hp_rand({self.value(te.args[0])}, key)"
+
+    def _call(self, f: str, ty: T.Scalar, x: str) -> str:
+        if ty.is_float:
+            return f"{_FLOAT_FN[f] + ('f' if ty.kind == 'float' else '')}({x})"
+        if f == "abs":
+            return f"({x} < 0 ? -{x} : {x})"
+        return x  # floor/ceil/rint of an integer are the integer itself
 
 
 def group_size(loop: Loop) -> int:
@@ -183,13 +143,9 @@ def group_size(loop: Loop) -> int:
 def signature(loop: Loop) -> Tuple[List[str], Dict[str, str]]:
     """Return (C parameter declarations of the inputs, host var -> parameter name)."""
     arrays, scalars, rand = loop.inputs()
-    params, mapping = [], {}
-    for i, a in enumerate(arrays):
-        mapping[a.var] = f"in{i}"
-        params.append(f"const {ptr_type(a.elem)}* __restrict__ in{i}")
-    for i, s in enumerate(scalars):
-        mapping[s.var] = f"s{i}"
-        params.append(f"const {ctype(s.ty)} s{i}")
+    mapping = loop.arg_names()
+    params = [f"const {ptr_type(a.elem)}* __restrict__ {mapping[a.var]}" for a in arrays]
+    params += [f"const {ctype(s.ty)} {mapping[s.var]}" for s in scalars]
     if rand:
         params.append("const unsigned long long key")
     return params, mapping
@@ -201,16 +157,6 @@ def _combine(op: str, t: T.Scalar, a: str, b: str) -> str:
     cmp = ">" if op == "max" else "<"
     nan = f" || {b} != {b}" if t.is_float else ""
     return f"(({b} {cmp} {a}){nan}) ? {b} : {a}"
-
-
-def identity(op: str, t: T.Scalar) -> float:
-    """The starting value of a reduction (0, -inf / +inf, or the int64 extremes)."""
-    if op == "+":
-        return 0
-    if t.is_float:
-        return -math.inf if op == "max" else math.inf
-    lim = np.iinfo(np.int64)
-    return lim.min if op == "max" else lim.max
 
 
 def kernel_source(loop: Loop) -> str:
@@ -239,7 +185,7 @@ def kernel_source(loop: Loop) -> str:
             ct = ctype(t) if t.kind != "long" else "long long"
             outs.append(f"{ct}* __restrict__ part{j}")
             v = conv(em.value(o.te), o.te.ty, t)
-            init.append(f"{ct} acc{j} = {literal(identity(o.op, t), t)};")
+            init.append(f"{ct} acc{j} = {literal(reduce_identity(o.op, t), t)};")
             if o.op == "+":
                 body.append(f"acc{j} += {v};")
             else:

@@ -25,6 +25,7 @@ import numpy as np
 
 from hipress.backend import array_module
 from hipress.codecs.base import Codec, Layout, register_codec, registered_codec
+from hipress.codecs.state import SeededStreamMixin, check_seed
 from hipress.compll import runtime as _rt
 from hipress.errors import CodecError
 
@@ -191,7 +192,7 @@ def _check_param(p: Dict[str, Any], value: Any, codec: str) -> Any:
     return v
 
 
-class CompLLCodec(Codec):
+class CompLLCodec(SeededStreamMixin, Codec):
     """Base of codecs generated from CompLL specs (one subclass per spec).
 
     The subclass's ``spec`` attribute is the generated module; its header flags become the
@@ -202,6 +203,9 @@ class CompLLCodec(Codec):
     """
 
     spec: Any = None
+    #: Checkpoint layout of the counters: ``{"steps": {name: step}}`` (see
+    #: :class:`~hipress.codecs.state.StepCounterMixin`); ``bind`` sets the rank.
+    steps_key = "steps"
 
     def __init__(self, **params: Any) -> None:
         mod = self.spec
@@ -215,15 +219,9 @@ class CompLLCodec(Codec):
         self._P = {k: _check_param(known[k], v, self.name) for k, v in self._raw.items()}
         self.seed = 0
         self.rank = 0
-        self._steps: Dict[str, int] = {}
-        self._steps_lock = threading.Lock()
+        self._init_steps()
         if self.stochastic:
-            seed = params.get("seed", 0)
-            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
-                    not 0 <= int(seed) < 2**32:
-                raise CodecError(f"{self.name} seed must be an integer in [0, 2**32), got "
-                                 f"{seed!r}")
-            self.seed = int(seed)
+            self.seed = check_seed(params.get("seed", 0), self.name, bits=32)
             self._raw["seed"] = self.seed
 
     def params(self) -> Dict[str, Any]:
@@ -233,10 +231,7 @@ class CompLLCodec(Codec):
     def _context(self, name: str) -> _rt.EncodeContext:
         if not self.stochastic:
             return _rt.EncodeContext(name)
-        with self._steps_lock:
-            step = self._steps.get(name, 0)
-            self._steps[name] = step + 1
-        return _rt.EncodeContext(name, self.seed, step, self.rank)
+        return _rt.EncodeContext(name, self.seed, self._next_step(name), self.rank)
 
     def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
         xp = array_module(flat)
@@ -260,30 +255,19 @@ class CompLLCodec(Codec):
 
     def state_dict(self) -> Dict[str, Any]:
         """Return ``{"steps": {gradient name: next step}}`` (empty for deterministic specs)."""
-        if not self.stochastic:
-            return {}
-        with self._steps_lock:
-            return {"steps": dict(self._steps)}
+        return super().state_dict() if self.stochastic else {}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore the step counters of :meth:`state_dict`.
 
         Raises:
-            CodecError: unknown keys or a step that is not an integer >= 0.
+            CodecError: unknown keys or a step that is not a non-negative integer (for
+                deterministic specs: any key).
         """
-        if not self.stochastic:
+        if self.stochastic:
             super().load_state_dict(state)
-            return
-        extra = set(state) - {"steps"}
-        if extra:
-            raise CodecError(f"unknown codec state keys {sorted(extra)}; expect only 'steps'")
-        steps = {}
-        for k, v in dict(state.get("steps", {})).items():
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise CodecError(f"step counter of {k!r} must be an integer >= 0, got {v!r}")
-            steps[str(k)] = int(v)
-        with self._steps_lock:
-            self._steps = steps
+        else:
+            Codec.load_state_dict(self, state)
 
 
 def _make_class(mod: Any) -> Type[Codec]:

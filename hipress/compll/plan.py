@@ -25,9 +25,11 @@ and :mod:`hipress.compll.cuda` turn into kernels.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import itertools
-from typing import Any, Dict, List, Optional, Tuple
+import math
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -206,6 +208,167 @@ class Loop:
     def packed_stores(self) -> bool:
         """Whether the loop writes bit-packed codes."""
         return any(isinstance(o, Store) and o.arr.elem.packed for o in self.outputs)
+
+    def arg_names(self) -> Dict[str, str]:
+        """Return host variable -> kernel argument name of the loop's inputs.
+
+        Arrays are ``in<i>`` and scalars ``s<i>``, numbered in :meth:`inputs` order; the
+        CPU and CUDA kernels both take them under these names.
+        """
+        arrays, scalars, _ = self.inputs()
+        names = {a.var: f"in{i}" for i, a in enumerate(arrays)}
+        names.update({s.var: f"s{i}" for i, s in enumerate(scalars)})
+        return names
+
+
+def reduce_identity(op: str, t: T.Scalar) -> Any:
+    """Return the starting value of a reduction: 0, -inf / +inf, or the int64 extremes.
+
+    Args:
+        op: ``"+"``, ``"max"`` or ``"min"``.
+        t: the accumulator's type.
+
+    Returns:
+        An int (``+`` and integer types) or a float (+-inf for floating max/min).
+    """
+    if op == "+":
+        return 0
+    if t.is_float:
+        return -math.inf if op == "max" else math.inf
+    lim = np.iinfo(np.int64)
+    return lim.min if op == "max" else lim.max
+
+
+# ------------------------------------------------------------------ kernel bodies
+class TemplateEmitter(abc.ABC):
+    """Emit a kernel's per-element body, computing each distinct sub-expression once.
+
+    The backends (:mod:`hipress.compll.cpu`: Numba Python; :mod:`hipress.compll.cuda`:
+    CUDA C) subclass it for their language. The sharing of common subexpressions and the
+    typing rules of the operands (which operand is converted to which type) are here,
+    once, so CPU and GPU kernels compute the same values; the subclasses only spell the
+    results: the syntax tables (``NOT``, ``LOGIC``, ``COND``, ``MINMAX``) and
+    ``_load``, ``_rand``, ``_binary``, ``_call``, :meth:`literal`, :meth:`conv`,
+    :meth:`declare`.
+
+    Algorithm of :meth:`value`:
+        1. Constants, captured scalars and the loop index are returned inline.
+        2. A template already computed (same structural :attr:`TE.key`) returns its local.
+        3. Otherwise :meth:`compute` builds the expression from the operands' locals
+           (computed first, left to right), and :meth:`declare` appends a line binding it
+           to a new local ``v<n>``.
+
+    Args:
+        args: host variable -> kernel argument name.
+        index: the expression of the current element's index.
+    """
+
+    #: Target syntax, as ``str.format`` templates of operand expressions: bool negation
+    #: (``x``), ``&&``/``||`` of bools (``x``, ``y``), ``c ? x : y`` (only the chosen side
+    #: evaluated), and ``min``/``max`` of two values of one type (``x``, ``y``).
+    NOT: ClassVar[str]
+    LOGIC: ClassVar[Dict[str, str]]
+    COND: ClassVar[str]
+    MINMAX: ClassVar[Dict[str, str]]
+
+    def __init__(self, args: Dict[str, str], index: str = "i") -> None:
+        self.args = args
+        self.index = index
+        self.lines: List[str] = []
+        self.memo: Dict[tuple, str] = {}
+        self.n = 0
+
+    @staticmethod
+    @abc.abstractmethod
+    def literal(v: Any, ty: T.Scalar) -> str:
+        """Return a literal of ``v`` typed as ``ty`` in the target language."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def conv(code: str, src: T.Scalar, dst: T.Scalar) -> str:
+        """Return ``code`` (of type ``src``) converted to ``dst``."""
+
+    @abc.abstractmethod
+    def declare(self, var: str, te: TE, code: str) -> str:
+        """Return the line that binds local ``var`` to ``code`` (the value of ``te``)."""
+
+    @abc.abstractmethod
+    def _load(self, te: TE) -> str:
+        """Return element ``te.args[0]`` of input array ``te.val``."""
+
+    @abc.abstractmethod
+    def _rand(self, te: TE) -> str:
+        """Return the uniform draw of element ``te.args[0]`` of the keyed stream."""
+
+    @abc.abstractmethod
+    def _call(self, f: str, ty: T.Scalar, x: str) -> str:
+        """Return ``f(x)`` for f in sqrt/floor/ceil/rint/abs, ``x`` and result of ``ty``."""
+
+    def _binary(self, op: str, t: T.Scalar, x: str, y: str) -> str:
+        """Return ``x op y`` with both operands of type ``t`` (the same in Python and C)."""
+        return f"({x} {op} {y})"
+
+    def compute(self, te: TE) -> str:
+        """Return the expression computing ``te`` from its operands' locals."""
+        k, a = te.kind, te.args
+        if k == "load":
+            return self._load(te)
+        if k == "rand":
+            return self._rand(te)
+        if k == "unary":
+            x = self.value(a[0])
+            if te.val == "!":
+                return self.NOT.format(x=self.conv(x, a[0].ty, T.BOOL))
+            return f"(-{self.conv(x, a[0].ty, te.ty)})"
+        if k == "binary":
+            op = te.val
+            if op in ("&&", "||"):
+                x, y = self.value(a[0]), self.value(a[1])
+                return self.LOGIC[op].format(x=self.conv(x, a[0].ty, T.BOOL),
+                                             y=self.conv(y, a[1].ty, T.BOOL))
+            t = te.opty
+            return self._binary(op, t, self.typed(a[0], t), self.typed(a[1], t))
+        if k == "cond":
+            c = self.conv(self.value(a[0]), a[0].ty, T.BOOL)
+            x, y = self.typed(a[1], te.ty), self.typed(a[2], te.ty)
+            return self.COND.format(c=c, x=x, y=y)
+        if k == "cast":
+            return self.conv(self.value(a[0]), a[0].ty, te.ty)
+        if k == "call":
+            f = te.val
+            if f in ("min", "max"):
+                t = te.opty
+                x = self.conv(self.value(a[0]), a[0].ty, t)
+                y = self.conv(self.value(a[1]), a[1].ty, t)
+                return self.MINMAX[f].format(x=x, y=y)
+            return self._call(f, te.ty, self.conv(self.value(a[0]), a[0].ty, te.ty))
+        raise AssertionError(f"unknown template kind {k}")  # pragma: no cover
+
+    def value(self, te: TE) -> str:
+        """Return an expression (often a local) holding ``te`` for the current element."""
+        k = te.kind
+        if k == "const":
+            return self.literal(te.val, te.ty)
+        if k == "host":
+            return self.args[te.val.var]
+        if k == "index":
+            return self.index
+        hit = self.memo.get(te.key)
+        if hit is not None:
+            return hit
+        code = self.compute(te)
+        var = f"v{self.n}"
+        self.n += 1
+        self.lines.append(self.declare(var, te, code))
+        self.memo[te.key] = var
+        return var
+
+    def typed(self, te: TE, dst: T.Scalar) -> str:
+        """Return ``te`` converted to ``dst`` (constants become literals of ``dst``)."""
+        if te.kind == "const" and not (dst.kind == "bool") and not (
+                isinstance(te.val, float) and not dst.is_float):
+            return self.literal(te.val, dst)
+        return self.conv(self.value(te), te.ty, dst)
 
 
 # ------------------------------------------------------------------- host program

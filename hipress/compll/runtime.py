@@ -16,6 +16,7 @@ from typing import Any, Dict, Tuple
 import numpy as np
 
 from hipress.backend import to_host
+from hipress.codecs import _kernels_quant as kq
 from hipress.codecs import ops
 from hipress.errors import CodecError, PayloadError
 
@@ -222,32 +223,20 @@ def finish(part: Any, op: str, kind: Any) -> Any:
 
 
 # ------------------------------------------------------------------ random streams
-def stream_key(seed: int, name: str, step: int, rank: int) -> int:
-    """Return the 64-bit key of one encode's counter-based stream (``random``).
-
-    The key of :mod:`hipress.codecs._kernels_quant` (TernGrad): drawn on the host from
-    ``ops.rng_for(numpy, seed, name, step, rank)``, so CPU and GPU draw the same numbers.
-    """
-    rng = ops.rng_for(np, seed, name, step, rank)
-    return int(rng.integers(0, 1 << 64, dtype=np.uint64))
+#: The key of one encode's counter-based stream (``random``): the codecs' own contract,
+#: ``kq.stream_key(seed, name, step, rank)`` drawn on the host from ``ops.rng_for``, so
+#: generated codecs, TernGrad/QSGD, CPU and GPU all draw the same numbers.
+stream_key = kq.stream_key
 
 
 def uniform(xp: Any, n: int, key: int) -> Any:
     """Return draws 0..n-1 of the stream keyed ``key`` (the reference of ``random(n)``).
 
     Pair j = i // 2 gets z = SplitMix64(key, j); element 2j is ``z >> 40``, element 2j + 1
-    ``(z >> 8) & 0xFFFFFF``, each times 2**-24 (float32, exact).
+    ``(z >> 8) & 0xFFFFFF`` (:func:`hipress.codecs._kernels_quant.uniform_u24`), each
+    times 2**-24 (float32, exact).
     """
-    u64 = np.uint64
-    pairs = (int(n) + 1) // 2
-    z = u64(key) + (xp.arange(pairs, dtype=u64) + u64(1)) * u64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> u64(30))) * u64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> u64(27))) * u64(0x94D049BB133111EB)
-    z = z ^ (z >> u64(31))
-    u = xp.empty(2 * pairs, dtype=u64)
-    u[0::2] = z >> u64(40)
-    u[1::2] = (z >> u64(8)) & u64(0xFFFFFF)
-    return u[: int(n)].astype(np.float32) * np.float32(2.0**-24)
+    return kq.uniform_u24(xp, int(n), key).astype(np.float32) * np.float32(2.0**-24)
 
 
 class EncodeContext:
