@@ -292,8 +292,9 @@ class Engine:
             if forced in ("ps", "ring") and codec.name not in self._warned and self.rank == 0:
                 self._warned.add(codec.name)
                 logger.warning(
-                    "codec %r cannot run under CaSync-%s (re-encoding merged payloads would "
-                    "drop most of them); using the %s path", codec.name, forced.upper(), path)
+                    "codec %r cannot run under CaSync-%s (its payloads are not mergeable: "
+                    "decoding, summing and re-encoding them would lose most of the sum); "
+                    "using the %s path", codec.name, forced.upper(), path)
             return path
         if forced in ("ps", "ring", "gather"):
             return forced
