@@ -16,6 +16,7 @@ from typing import Any, Generator, Sequence, Tuple
 import numpy as np
 
 from hipress.backend import bfloat16
+from hipress.codecs._kernels_cast import float16_to_float32, float32_to_float16
 from hipress.codecs.base import Codec, Layout, Stage, register_codec
 
 
@@ -26,10 +27,16 @@ class _CastCodec(Codec):
     wire_dtype: np.dtype
 
     def _encode(self, flat: Any, shape: Tuple[int, ...], name: str) -> Sequence[Any]:
+        if self.wire_dtype == np.float16 and type(flat) is np.ndarray and flat.dtype == np.float32:
+            return [float32_to_float16(flat)]  # same bits as astype, 4x faster on the CPU
         return [flat.astype(self.wire_dtype)]
 
     def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
-        return sections[0].astype(dtype)
+        wire = sections[0]
+        if (wire.dtype == np.float16 and type(wire) is np.ndarray
+                and dtype in (np.float32, np.float64)):
+            return float16_to_float32(wire).astype(dtype, copy=False)  # float64: exact
+        return wire.astype(dtype)
 
     def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
         return [(self.wire_dtype, int(np.prod(shape)))]
