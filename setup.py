@@ -21,8 +21,9 @@ ADAPTERS = {
 
 TEST_REQUIRES = ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6.80", "ruff>=0.4"]
 TORCH_REQUIRES = ["torch>=2.1", "scikit-learn>=1.2", "tqdm>=4.60"]
-TF_REQUIRES = ["tensorflow-cpu>=2.16", "scikit-learn>=1.2", "tqdm>=4.60"]
-MXNET_REQUIRES = ["mxnet==1.9.1", "scikit-learn>=1.1", "tqdm>=4.60"]
+TF_REQUIRES = ["tensorflow-cpu==2.21.*", "scikit-learn>=1.2", "tqdm>=4.60"]
+# MXNet 1.9.1 uses np.bool: NumPy < 1.24, so it needs its own environment (make venv-mxnet)
+MXNET_REQUIRES = ["mxnet==1.9.1", "numpy>=1.21,<1.24", "scikit-learn>=1.1", "tqdm>=4.60"]
 GPU_REQUIRES = ["cupy-cuda12x>=13"]
 BENCH_REQUIRES = ["matplotlib>=3.5"]
 

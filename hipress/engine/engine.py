@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -121,7 +122,6 @@ class Engine:
         self._table: Dict[str, Dict[str, Any]] = {}
         self._round = 0
         self._task_id = 0
-        self._agg_rr = 0
         self._pending_local: Dict[str, _Submission] = {}
         self._outbox: List[list] = []
         self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
@@ -429,12 +429,11 @@ class Engine:
     def _stalled(self) -> List[list]:
         """Rank 0: names submitted by some ranks only for longer than the stall timeout."""
         now = time.monotonic()
-        out = []
-        for name, ent in self._table.items():
-            if now - ent["t"] > self.cfg.sync.stall_timeout_s:
-                missing = [r for r in range(self.size) if r not in ent["meta"]]
-                out.append([name, missing])
-        return out
+        if not any(now - ent["t"] > self.cfg.sync.stall_timeout_s for ent in self._table.values()):
+            return []
+        # once one name stalls, report every incomplete one: they usually explain each other
+        return [[name, [r for r in range(self.size) if r not in ent["meta"]]]
+                for name, ent in self._table.items()]
 
     def _process_round(self, msgs: List[Dict[str, Any]]) -> int:
         """Merge every rank's new names into the table, start the ready ones, count them."""
@@ -523,8 +522,8 @@ class Engine:
                 for p in range(parts):
                     lo, hi = bounds[p], bounds[p + 1]
                     if path == "ps":
-                        agg = self._agg_rr % self.size
-                        self._agg_rr += 1
+                        # from the name, not a counter: survives checkpoints and restarts
+                        agg = (zlib.crc32(sub.name.encode()) + p) % self.size
                         gen = T.ps_task(self.env, job, lo, hi, p, agg, self._next_tag())
                     elif path == "gather":
                         gen = T.gather_task(self.env, job, lo, hi, p, parts, self._next_tag())

@@ -1,0 +1,157 @@
+"""Process-level functions of the MXNet adapter: NDArrays in, NDArrays out.
+
+Each function converts NDArrays zero-copy (:mod:`hipress.mxnet.convert`) and calls the core
+function of the same name; the spelling follows Horovod (``hvd.allreduce``,
+``hvd.broadcast_parameters``).
+Process control (``init``, ``shutdown``, ``rank``, ``size``, ``barrier``, ...) is
+:mod:`hipress`'s own, re-exported unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import types
+from typing import Any, Mapping, Optional
+
+import mxnet as mx
+
+import hipress
+from hipress.adapter_common import Average, check_op, resolve_codec
+from hipress.api import (  # noqa: F401  (process control is framework-neutral: re-exported)
+    barrier,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+
+from .convert import from_array, to_array, write_into
+
+logger = logging.getLogger(__name__)
+
+
+_noname = itertools.count()
+_noname_lock = threading.Lock()
+
+
+def _auto_name(kind: str) -> str:
+    """Return ``<kind>.noname.<n>``: the same on every rank that calls in the same order."""
+    with _noname_lock:
+        return f"{kind}.noname.{next(_noname)}"
+
+
+def allreduce(
+    tensor: mx.nd.NDArray,
+    name: Optional[str] = None,
+    op: str = Average,
+    compression: Any = None,
+    **codec_params: Any,
+) -> mx.nd.NDArray:
+    """Return the average (or sum) of ``tensor`` over all ranks, as a new NDArray.
+
+    Args:
+        tensor: a float16/float32/float64 NDArray (sparse storage is densified).
+        name: unique among in-flight submissions, identical on every rank. Default: a
+            counter (``allreduce.noname.<n>``), correct when every rank calls in one order.
+        op: ``hp.Average`` or ``hp.Sum``.
+        compression: codec name, Codec instance, or None (config policy).
+        **codec_params: parameters of the named codec.
+
+    Returns:
+        An NDArray of the input's shape, dtype and context, bit-identical on every rank.
+
+    Raises:
+        ValueError: ``name`` is still in flight, or a bad op.
+        TypeError: an unsupported dtype.
+    """
+    result = hipress.allreduce(
+        to_array(tensor),
+        name=name or _auto_name("allreduce"),
+        op=check_op(op),
+        codec=resolve_codec(compression, codec_params),
+    )
+    return from_array(result, ctx=tensor.context)
+
+
+def allreduce_(tensor: mx.nd.NDArray, name: Optional[str] = None, op: str = Average,
+               compression: Any = None, **codec_params: Any) -> mx.nd.NDArray:
+    """Overwrite ``tensor`` in place with :func:`allreduce`'s result; return it."""
+    result = hipress.allreduce(
+        to_array(tensor),
+        name=name or _auto_name("allreduce"),
+        op=check_op(op),
+        codec=resolve_codec(compression, codec_params),
+    )
+    write_into(tensor, result)
+    return tensor
+
+
+def broadcast(tensor: mx.nd.NDArray, root_rank: int, name: Optional[str] = None) -> mx.nd.NDArray:
+    """Return ``root_rank``'s ``tensor`` on every rank, as a new NDArray."""
+    result = hipress.broadcast(to_array(tensor), root_rank, name or _auto_name("broadcast"))
+    return from_array(result, ctx=tensor.context)
+
+
+def broadcast_(tensor: mx.nd.NDArray, root_rank: int,
+               name: Optional[str] = None) -> mx.nd.NDArray:
+    """Overwrite ``tensor`` in place with ``root_rank``'s values; return it."""
+    result = hipress.broadcast(to_array(tensor), root_rank, name or _auto_name("broadcast"))
+    if hipress.rank() != root_rank:
+        write_into(tensor, result)
+    return tensor
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str = "") -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (small picklable objects only)."""
+    return hipress.broadcast_object(obj, root=root_rank, name=name)
+
+
+def broadcast_parameters(params: Mapping[str, Any], root_rank: int = 0) -> None:
+    """Overwrite every rank's parameters in place with ``root_rank``'s (model initialization).
+
+    Args:
+        params: ``net.collect_params()`` (a ``ParameterDict``), a dict of Gluon
+            ``Parameter`` or a dict of NDArrays (``arg_params``). Entries are broadcast in
+            sorted key order; every rank must pass the same keys. A parameter whose
+            initialization is deferred (shape known only at the first forward pass) is
+            broadcast right after it is initialized, on that first forward pass (as
+            Horovod does).
+        root_rank: the rank whose values everyone gets.
+
+    Raises:
+        TypeError: ``params`` is not a mapping.
+    """
+    if not hasattr(params, "items"):
+        raise TypeError(
+            f"expect net.collect_params() or a dict of Parameters/NDArrays, got {type(params)}"
+        )
+    for key, p in sorted(params.items()):
+        name = f"broadcast_parameters.{key}"
+        if isinstance(p, mx.gluon.Parameter):
+            if p._deferred_init:
+                p._init_impl = types.MethodType(_broadcast_after_init(p, root_rank, name), p)
+                logger.debug("parameter %s: deferred initialization, broadcast at first use", key)
+                continue
+            for data in p.list_data():
+                broadcast_(data, root_rank, name=name)
+        elif isinstance(p, mx.nd.NDArray):
+            broadcast_(p, root_rank, name=name)
+        else:
+            raise TypeError(f"entry {key!r} is a {type(p)}, not a Parameter or NDArray")
+
+
+def _broadcast_after_init(param: Any, root_rank: int, name: str) -> Any:
+    """Return an ``_init_impl`` replacement that broadcasts the fresh values."""
+    init_impl = param._init_impl
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
+        init_impl(*args, **kwargs)
+        for data in self.list_data():
+            broadcast_(data, root_rank, name=name)
+
+    return wrapped
