@@ -19,7 +19,7 @@ environment < this script's flags (as in the PyTorch example).
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 
@@ -28,72 +28,18 @@ import numpy as np
 from mxnet import autograd, gluon
 
 import hipress.mxnet as hp
-from hipress.adapter_common import parse_params
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from digits_common import argument_parser, config_overrides, load_data, shard  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--epochs", type=int, default=8, help="passes over the training set")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
-    p.add_argument("--momentum", type=float, default=0.9,
-                   help="SGD momentum (use 0 with --memory dgc, which applies DGC's momentum "
-                   "correction itself)")
-    p.add_argument("--compression", default=None,
-                   help="codec name (none, onebit, tbq, terngrad, dgc, graddrop, powersgd, "
-                   "fp16, topk, ...); default: the config's compression.algorithm")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                   help="codec parameter, repeatable (e.g. --param ratio=0.01)")
-    p.add_argument("--min-compress-bytes", type=int, default=None,
-                   help="tensors smaller than this go uncompressed (config default: 65536)")
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="first N steps run uncompressed (config default: 0)")
-    p.add_argument("--memory", default=None, choices=["auto", "none", "residual", "dgc"],
-                   help="error feedback (config default: auto = residual for biased codecs)")
-    p.add_argument("--test-fraction", type=float, default=0.25, help="share held out for test")
-    p.add_argument("--seed", type=int, default=42, help="seed of the split, init and shuffles")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
-    return p.parse_args(argv)
+    return argument_parser(__doc__.split("\n\n")[0]).parse_args(argv)
 
 
-def config_overrides(args) -> dict:
-    """Return the dotted config overrides the command line asks for."""
-    out = {}
-    if args.compression is not None:
-        out["compression.algorithm"] = args.compression
-        out["compression.params"] = parse_params(args.param)
-    elif args.param:
-        out["compression.params"] = parse_params(args.param)
-    if args.min_compress_bytes is not None:
-        out["compression.min_compress_bytes"] = args.min_compress_bytes
-    if args.warmup_steps is not None:
-        out["compression.warmup_steps"] = args.warmup_steps
-    if args.memory is not None:
-        out["compression.memory"] = args.memory
-    return out
-
-
-def load_data(test_fraction: float, seed: int):
-    """Return standardized (x_train, y_train, x_test, y_test); images are 1x8x8 (NCHW)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(x.astype(np.float32), y, test_size=test_fraction,
-                                              random_state=seed, stratify=y)
-    mean, std = x_tr.mean(), x_tr.std()
-
-    def prep(a, b):
-        return ((a - mean) / std).reshape(-1, 1, 8, 8).astype(np.float32), b.astype(np.float32)
-
-    return (*prep(x_tr, y_tr), *prep(x_te, y_te))
-
-
-def shard(n: int, epoch: int, seed: int, rank: int, size: int) -> np.ndarray:
-    """Return this rank's sample indices for ``epoch``: equal counts on every rank."""
-    perm = np.random.default_rng(seed * 1000 + epoch).permutation(n)
-    return perm[rank::size][: n // size]
+def to_nchw(x: np.ndarray, y: np.ndarray):
+    """Return images as float32 (n, 1, 8, 8) and labels as float32 (Gluon's loss wants them)."""
+    return x.reshape(-1, 1, 8, 8).astype(np.float32), y.astype(np.float32)
 
 
 def digits_cnn(num_classes: int = 10, width: int = 16) -> gluon.nn.HybridSequential:
@@ -119,6 +65,7 @@ def main(argv=None) -> float:
     rank, size = hp.rank(), hp.size()
 
     x_tr, y_tr, x_te, y_te = load_data(args.test_fraction, args.seed)
+    (x_tr, y_tr), (x_te, y_te) = to_nchw(x_tr, y_tr), to_nchw(x_te, y_te)
     mx.random.seed(args.seed)
     net = digits_cnn()
     net.initialize(mx.init.Xavier(), ctx=mx.cpu())
