@@ -196,6 +196,9 @@ class GradientSynchronizer:
         op: ``"average"`` or ``"sum"`` across ranks.
         codec: the engine's ``codec`` argument (see :func:`resolve_codec`).
         backward_passes_per_step: local passes summed before each synchronization (>= 1).
+        inplace: the arrays handed in are the framework's own writable gradient buffers:
+            the engine writes each result into its array (see
+            :func:`hipress.allreduce_async`), so no result array is allocated per step.
 
     Raises:
         ValueError: duplicate names, a bad op, or ``backward_passes_per_step < 1``.
@@ -207,8 +210,10 @@ class GradientSynchronizer:
         op: str = Average,
         codec: Any = None,
         backward_passes_per_step: int = 1,
+        inplace: bool = False,
     ) -> None:
         self.names = check_unique_names(names)
+        self.inplace = bool(inplace)
         self.op = check_op(op)
         self.codec = codec
         k = backward_passes_per_step
@@ -323,7 +328,8 @@ class GradientSynchronizer:
         entry.array = array
         entry.contributes = contributes
         entry.handle = hipress.allreduce_async(
-            array, name=name, op=self.op, codec=self.codec, contributes=contributes
+            array, name=name, op=self.op, codec=self.codec, contributes=contributes,
+            inplace=self.inplace,
         )
 
 

@@ -146,7 +146,8 @@ def local_size() -> int:
 
 
 def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = None,
-                    strategy: Optional[str] = None, contributes: bool = True) -> Handle:
+                    strategy: Optional[str] = None, contributes: bool = True,
+                    inplace: bool = False) -> Handle:
     """Start reducing ``array`` over all ranks under ``name``; return a :class:`Handle`.
 
     Args:
@@ -163,10 +164,15 @@ def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = Non
         contributes: False when this rank has no gradient for ``name`` (an unused
             parameter): pass zeros; the rank still takes part, and its error-feedback
             residual for ``name`` is left untouched.
+        inplace: write the result into ``array`` itself (when it is C-contiguous and
+            writable; otherwise a new array is returned as usual), saving an allocation
+            and a copy per step. The adapters use it for gradients they own.
 
     Returns:
-        A handle; :func:`synchronize` returns a new array of ``array``'s shape and dtype,
-        bit-identical on every rank.
+        A handle; :func:`synchronize` returns an array of ``array``'s shape and dtype,
+        bit-identical on every rank: a new one, or ``array`` itself with ``inplace``.
+        At world size 1 nothing travels: the result is ``array`` exactly (no codec runs,
+        no residual changes) and the handle is already complete.
 
     Raises:
         ValueError: bad op/strategy, or ``name`` already in flight.
@@ -174,16 +180,17 @@ def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = Non
         SyncError: the engine failed earlier.
     """
     return _engine().submit(array, name, op=op, codec=codec, strategy=strategy,
-                            contributes=contributes)
+                            contributes=contributes, inplace=inplace)
 
 
 def allreduce(array: Any, name: str, op: str = "average", codec: Any = None,
-              strategy: Optional[str] = None, contributes: bool = True) -> Any:
+              strategy: Optional[str] = None, contributes: bool = True,
+              inplace: bool = False) -> Any:
     """Reduce ``array`` over all ranks and return the result (blocking).
 
     See :func:`allreduce_async` for the arguments.
     """
-    return synchronize(allreduce_async(array, name, op, codec, strategy, contributes))
+    return synchronize(allreduce_async(array, name, op, codec, strategy, contributes, inplace))
 
 
 def synchronize(handle: Handle) -> Any:

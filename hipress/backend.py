@@ -98,3 +98,20 @@ def compute_dtype(dtype: Any) -> np.dtype:
     """
     dt = np.dtype(dtype)
     return np.dtype(np.float64) if dt == np.float64 else np.dtype(np.float32)
+
+
+def store_scaled(value: Any, out: Any, divisor: int = 1) -> None:
+    """Write ``value / divisor`` into ``out`` (same number of elements), rounded to its dtype.
+
+    The division runs in the compute dtype (float32 for 16-bit floats) and the result is
+    cast on store, in one pass; ``divisor == 1`` is a plain copy. ``value`` moves to
+    ``out``'s device first. The engine writes every averaged result through this, so the
+    rounding is the same on every path and every rank.
+    """
+    xp = array_module(out)
+    value = xp.asarray(value) if xp is not np else to_host(value)
+    if divisor != 1:
+        value = value.astype(compute_dtype(value.dtype), copy=False).reshape(out.shape)
+        xp.divide(value, value.dtype.type(divisor), out=out, casting="unsafe")
+    else:
+        out[...] = value.reshape(out.shape)

@@ -585,3 +585,62 @@ def test_cupy_terngrad_reduce_stages_matches_numpy():
         assert fb is None and r.shape == x.shape and r.dtype == np.float32
         outs.append((cp.asnumpy(m).tobytes(), cp.asnumpy(t).tobytes(), cp.asnumpy(r).tobytes()))
     assert outs[0] == outs[1]
+
+
+# ------------------------------------------- fused error-feedback and decode kernels
+def _three_step_reference(codec, x, e):
+    """The error-feedback step as three separate operations (the definition)."""
+    c = np.add(x, e, dtype=e.dtype)
+    payload = codec.encode(c, "w")
+    decoded = codec.decode(payload)
+    return payload, c - decoded.astype(e.dtype)
+
+
+@pytest.mark.parametrize("name", ["onebit", "tbq"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 33, 1000, 65_537])
+def test_fused_error_feedback_equals_three_steps(name, dtype, n):
+    rng = np.random.default_rng(n)
+    codec = get_codec(name, **({"threshold": 0.5} if name == "tbq" else {}))
+    x = rng.standard_normal(n).astype(dtype)
+    e0 = (0.3 * rng.standard_normal(n)).astype(dtype)
+    ref_payload, ref_e = _three_step_reference(codec, x, e0)
+    mem = ResidualMemory()
+    mem.load_state_dict({"w": e0})
+    payload, decoded = mem.encode(codec, "w", x)
+    assert payload.to_bytes() == ref_payload.to_bytes()
+    assert np.array_equal(mem.get("w"), ref_e)
+    if decoded is not None:  # codecs without a fused kernel hand back their decode
+        assert np.array_equal(decoded, codec.decode(ref_payload))
+    # decode_add / decode_into equal decode followed by the add / the scaled store
+    acc = rng.standard_normal(n).astype(dtype)
+    want = acc + codec.decode(ref_payload)
+    codec.decode_add(payload, acc)
+    assert np.array_equal(acc, want)
+    for divisor in (1, 3, 4):
+        out = np.empty(n, dtype)
+        codec.decode_into(payload, out, divisor)
+        assert np.array_equal(out, (codec.decode(ref_payload) / dtype(divisor)).astype(dtype))
+
+
+def test_fused_onebit_leaves_residual_on_non_finite():
+    x = np.array([1.0, np.inf, -2.0], np.float32)
+    e0 = np.array([0.5, 0.25, -0.5], np.float32)
+    mem = ResidualMemory()
+    mem.load_state_dict({"w": e0})
+    with pytest.raises(NonFiniteGradientError, match="'w'"):
+        mem.encode(get_codec("onebit"), "w", x)
+    assert np.array_equal(mem.get("w"), e0)
+
+
+def test_fused_onebit_skips_mixed_dtypes():
+    """float16 gradients with a float32 residual take the three-step path (same bytes)."""
+    codec = get_codec("onebit")
+    x = np.linspace(-1, 1, 37, dtype=np.float16)
+    assert codec.encode_residual(x, np.zeros(37, np.float32), "w") is None
+    ref_payload, ref_e = _three_step_reference(codec, x, np.zeros(37, np.float32))
+    mem = ResidualMemory()
+    payload, decoded = mem.encode(codec, "w", x)
+    assert decoded is not None
+    assert payload.to_bytes() == ref_payload.to_bytes()
+    assert np.array_equal(mem.get("w"), ref_e)

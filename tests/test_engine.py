@@ -24,6 +24,8 @@ CORE_CASES = [
     "duplicate_inflight_name",
     "powersgd_compresses_matrices",
     "low_precision_dtypes",
+    "world1_passthrough",
+    "inplace_matches_new_array",
 ]
 
 

@@ -109,7 +109,7 @@ def test_gradient_synchronizer_counts_and_errors(monkeypatch):
 
     submitted = []
     monkeypatch.setattr(hipress, "allreduce_async",
-                        lambda arr, name, op, codec, contributes: submitted.append(
+                        lambda arr, name, op, codec, contributes, inplace: submitted.append(
                             (name, arr, contributes)) or name)
     monkeypatch.setattr(hipress, "synchronize", lambda h: f"result-{h}")
     sync = GradientSynchronizer(["a", "b", "c"], backward_passes_per_step=2)

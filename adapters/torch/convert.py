@@ -85,6 +85,24 @@ def from_array(array: Any, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     return out
 
 
+def shares_memory(array: Any, tensor: torch.Tensor) -> bool:
+    """Return True if ``array`` (NumPy/CuPy) starts at ``tensor``'s first element.
+
+    With equal shapes and both contiguous this means they are the same buffer, e.g. a
+    result the engine wrote in place into a gradient (``allreduce_async(inplace=True)``).
+    """
+    if not tensor.is_contiguous() or not getattr(array, "flags", None) or \
+            not array.flags.c_contiguous:
+        return False
+    if is_gpu_array(array):
+        ptr = array.data.ptr
+    elif isinstance(array, np.ndarray):
+        ptr = array.__array_interface__["data"][0]
+    else:
+        return False
+    return ptr == tensor.data_ptr() and array.nbytes == tensor.numel() * tensor.element_size()
+
+
 def is_tensor(x: Any) -> bool:
     """Return True for a torch tensor (the leaf test used on nested states)."""
     return isinstance(x, torch.Tensor)

@@ -65,6 +65,7 @@ from .convert import (
     engine_state_from_torch,
     engine_state_to_torch,
     from_array,
+    shares_memory,
     to_array,
 )
 
@@ -124,6 +125,7 @@ class _DistributedOptimizer:
             op=op,
             codec=resolve_codec(compression, codec_params),
             backward_passes_per_step=backward_passes_per_step,
+            inplace=True,  # results land in p.grad itself: no result tensor, no copy
         )
         self._hp_synchronized = False
         self._hp_should_synchronize = True
@@ -164,11 +166,15 @@ class _DistributedOptimizer:
         with torch.no_grad():
             for name, array in results.items():
                 p = self._hp_params[name]
+                grad = p.grad
+                if (grad is not None and grad.layout == torch.strided and grad.shape == p.shape
+                        and shares_memory(array, grad)):
+                    continue  # the engine wrote the result into p.grad itself
                 out = from_array(array, like=p)
-                if p.grad is None or p.grad.layout != torch.strided or p.grad.shape != p.shape:
+                if grad is None or grad.layout != torch.strided or grad.shape != p.shape:
                     p.grad = out
                 else:
-                    p.grad.copy_(out)
+                    grad.copy_(out)
         self._hp_synchronized = True
 
     @contextlib.contextmanager

@@ -331,6 +331,68 @@ def _build_kernels() -> types.SimpleNamespace:
         return acc, cnt.sum()
 
     @njit
+    def onebit_encode_ef(x, e, bits):
+        """:func:`onebit_encode` of c = x + e (rounded to e's dtype), e left unchanged.
+
+        The first pass of error-feedback onebit: the compensated gradient is never
+        stored; :func:`onebit_residual` recomputes it when writing the new residual.
+        """
+        n = x.size
+        acc = np.zeros((2, 16), np.float64)
+        cnt = np.zeros(16, np.int64)
+        nblk = n // 16
+        for i in range(nblk):
+            k = 16 * i
+            b = 0
+            for j in range(16):
+                v = np.float64(e.dtype.type(x[k + j]) + e[k + j])
+                ng = v < 0.0
+                b |= np.int64(ng) << (15 - j)
+                acc[0, j] += 0.0 if ng else v
+                acc[1, j] += v if ng else 0.0
+                cnt[j] += np.int64(ng)
+            bits[2 * i] = b >> 8
+            bits[2 * i + 1] = b & 255
+        k = 16 * nblk
+        b = 0
+        for j in range(n - k):
+            v = np.float64(e.dtype.type(x[k + j]) + e[k + j])
+            ng = v < 0.0
+            b |= np.int64(ng) << (15 - j)
+            acc[0, j] += 0.0 if ng else v
+            acc[1, j] += v if ng else 0.0
+            cnt[j] += np.int64(ng)
+        if n > k:
+            bits[2 * nblk] = b >> 8
+            if n - k > 8:
+                bits[2 * nblk + 1] = b & 255
+        return acc, cnt.sum()
+
+    @njit
+    def onebit_residual(x, e, bits, v0, v1):
+        """Write e[i] = (x[i] + e[i]) - (v1 if bit i is set else v0), in e's dtype."""
+        n = e.size
+        for i in range(n):
+            c = e.dtype.type(x[i]) + e[i]
+            e[i] = c - (v1 if (bits[i >> 3] >> (7 - (i & 7))) & 1 else v0)
+
+    @njit
+    def decode_1bit_add(bits, v0, v1, acc):
+        """acc[i] += v1 if bit i is set else v0 (bits MSB first)."""
+        n = acc.size
+        nfull = n // 8
+        for i in range(nfull):
+            b = bits[i]
+            k = 8 * i
+            for j in range(8):
+                acc[k + j] += v1 if (b >> (7 - j)) & 1 else v0
+        k = 8 * nfull
+        if n > k:
+            b = bits[nfull]
+            for j in range(n - k):
+                acc[k + j] += v1 if (b >> (7 - j)) & 1 else v0
+
+    @njit
     def decode_1bit(bits, v0, v1, out):
         """Write out[i] = v1 if bit i is set else v0 (bits MSB first)."""
         n = out.size
@@ -499,6 +561,9 @@ def _build_kernels() -> types.SimpleNamespace:
         qsgd_levels=qsgd_levels,
         sumsq_lanes=sumsq_lanes,
         onebit_encode=onebit_encode,
+        onebit_encode_ef=onebit_encode_ef,
+        onebit_residual=onebit_residual,
+        decode_1bit_add=decode_1bit_add,
         decode_1bit=decode_1bit,
         decode_2bit=decode_2bit,
         tbq_encode=tbq_encode,

@@ -39,6 +39,7 @@ from hipress.backend import (
     array_module,
     check_gradient_dtype,
     dtype_code,
+    store_scaled,
     to_host,
 )
 from hipress.errors import CodecError, PayloadError
@@ -277,6 +278,48 @@ class Codec(abc.ABC):
         self._check_sections(payload)
         out = self._decode(payload.sections, payload.shape, payload.dtype)
         return out.reshape(payload.shape)
+
+    # ------------------------------------------------- fused kernels (optional)
+    def encode_residual(self, x: Any, residual: Any, name: str = "") -> Optional[Payload]:
+        """Error-feedback encode in as few passes as possible, or None if not offered.
+
+        Computes exactly what :class:`hipress.memory.ResidualMemory` (``beta = 1``) does
+        in three steps — ``c = x + e``; ``p = encode(c)``; ``e = c - decode(p)`` — but
+        without materializing ``c`` or the decoded array. Codecs with a fused kernel
+        override it for the arrays it supports and return None otherwise (the caller then
+        runs the three steps); results must be bit-identical to the three steps.
+
+        Args:
+            x: the gradient (contiguous, any float dtype); not modified.
+            residual: its residual ``e``, same shape, updated in place on success.
+            name: the gradient's name (random streams, error messages).
+
+        Returns:
+            The payload of ``encode(x + e)``, or None (nothing was done).
+
+        Raises:
+            NonFiniteGradientError: as :meth:`encode`; ``residual`` is left unchanged.
+        """
+        return None
+
+    def decode_add(self, payload: Payload, acc: Any) -> None:
+        """Add the decoded payload to ``acc`` in place (``acc += decode(payload)``).
+
+        Args:
+            payload: a payload of this codec for ``acc.size`` elements.
+            acc: 1-D float array (compute dtype), on the payload's device.
+
+        Codecs with a fused kernel override it to skip the decoded temporary.
+        """
+        acc += self.decode(payload).reshape(-1).astype(acc.dtype, copy=False)
+
+    def decode_into(self, payload: Payload, out: Any, divisor: int = 1) -> None:
+        """Write ``decode(payload) / divisor`` into ``out``, rounded to ``out``'s dtype.
+
+        The same values as :func:`hipress.backend.store_scaled` of the decoded array.
+        Codecs with a fused kernel override it to decode straight into ``out``.
+        """
+        store_scaled(self.decode(payload), out, divisor)
 
     def payload_layout(self, shape: Tuple[int, ...], dtype: Any) -> Layout:
         """Return the (dtype, count) of each section for a gradient of ``shape``.

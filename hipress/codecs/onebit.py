@@ -21,14 +21,14 @@ all-zero gradient decodes to exact zeros, never to ±scale.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 from hipress.backend import array_module
 from hipress.codecs import _kernels_quant as kq
 from hipress.codecs import ops
-from hipress.codecs.base import Codec, Layout, register_codec
+from hipress.codecs.base import Codec, Layout, Payload, register_codec
 
 
 def sign_sums(flat: Any, use_fast_path: bool = True) -> Tuple[Any, float, float, int]:
@@ -149,3 +149,62 @@ class OneBitCodec(Codec):
     def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
         n = int(np.prod(shape))
         return [(np.dtype(np.uint8), -(-n // 8)), (np.dtype(np.float32), 2)]
+
+    # ------------------------------------------------------------ fused kernels
+    def encode_residual(self, x: Any, residual: Any, name: str = "") -> Optional[Payload]:
+        """Two passes: signs and sums of ``x + e``; then ``e = (x + e) - decoded``.
+
+        NumPy float32/float64 with a residual of the same dtype only (else None).
+        """
+        fast = _fast_same_dtype(self, x, residual)
+        if fast is None or x.size == 0:
+            return None
+        xf, ef = x.reshape(-1), residual.reshape(-1)
+        bits = np.empty(-(-xf.size // 8), dtype=np.uint8)
+        acc, n_neg = fast.onebit_encode_ef(xf, ef, bits)
+        scales = _means(kq.combine_lanes(acc[0]), kq.combine_lanes(acc[1]), int(n_neg), xf.size)
+        ops.check_finite(scales[0], name, "non-negative mean")
+        ops.check_finite(scales[1], name, "negative mean")
+        dt = x.dtype.type
+        fast.onebit_residual(xf, ef, bits, dt(scales[0]), dt(scales[1]))
+        return Payload(self.codec_id, x.dtype, tuple(int(d) for d in x.shape), (bits, scales))
+
+    def decode_add(self, payload: Payload, acc: Any) -> None:
+        """``acc += decode(payload)`` in one pass (NumPy, payload dtype = acc dtype)."""
+        fast = _fast_decode(self, payload, acc)
+        if fast is None:
+            return super().decode_add(payload, acc)
+        bits, scales = payload.sections
+        dt = acc.dtype.type
+        fast.decode_1bit_add(bits, dt(scales[0]), dt(scales[1]), acc)
+
+    def decode_into(self, payload: Payload, out: Any, divisor: int = 1) -> None:
+        """Decode straight into ``out``, both values divided once (NumPy, same dtype)."""
+        fast = _fast_decode(self, payload, out)
+        if fast is None:
+            return super().decode_into(payload, out, divisor)
+        bits, scales = payload.sections
+        dt = out.dtype.type
+        fast.decode_1bit(bits, dt(scales[0]) / dt(divisor), dt(scales[1]) / dt(divisor), out)
+
+
+def _fast_same_dtype(codec: Codec, x: Any, residual: Any) -> Any:
+    """Return the Numba kernels if ``x`` and ``residual`` can take the fused path."""
+    if (not codec.use_fast_path or type(x) is not np.ndarray or type(residual) is not np.ndarray
+            or x.dtype not in (np.float32, np.float64) or residual.dtype != x.dtype
+            or x.shape != residual.shape or not x.flags.c_contiguous
+            or not residual.flags.c_contiguous):
+        return None
+    return kq.fast_kernels()
+
+
+def _fast_decode(codec: Codec, payload: Payload, out: Any) -> Any:
+    """Return the Numba kernels if ``payload`` can be decoded straight into ``out``."""
+    if (not codec.use_fast_path or payload.codec_id != codec.codec_id
+            or type(out) is not np.ndarray or out.dtype not in (np.float32, np.float64)
+            or np.dtype(payload.dtype) != out.dtype or out.ndim != 1
+            or not out.flags.c_contiguous or payload.numel != out.size or out.size == 0
+            or type(payload.sections[0]) is not np.ndarray):
+        return None
+    codec._check_sections(payload)
+    return kq.fast_kernels()

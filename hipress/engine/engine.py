@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ps", "ring", "allreduce", "gather")
 _SUB_BITS = 12  # tags per task: ring steps and allgather need world_size + 2
+#: uncompressed gradients of at least this size are reduced in place, not fused
+_DIRECT_MIN_BYTES = 1 << 20
+#: partition size of such in-place reductions (pipelines large gradients)
+_DIRECT_PARTITION_BYTES = 16 << 20
+_DIRECT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Handle:
@@ -84,7 +89,7 @@ class Handle:
 
 class _Submission:
     __slots__ = ("name", "array", "average", "codec", "codec_key", "strategy", "contributes",
-                 "handle", "kind", "root", "seq", "partitions")
+                 "handle", "kind", "root", "seq", "partitions", "inplace")
 
     def __init__(self, **kw: Any) -> None:
         for k, v in kw.items():
@@ -109,6 +114,7 @@ class Engine:
         self.step_count = 0
         self._codecs: Dict[str, Codec] = {}
         self._warned: set = set()
+        self._warned_local = False
         self._memories: Dict[str, Memory] = {"none": get_memory("none")}
         self._lock = threading.Lock()
         self._queue: Deque[_Submission] = collections.deque()
@@ -124,8 +130,9 @@ class Engine:
         self._task_id = 0
         self._pending_local: Dict[str, _Submission] = {}
         self._outbox: List[list] = []
+        self._poke = threading.Event()  # wakes the engine thread: new work or a finished step
         self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
-                                config.sync.stall_timeout_s)
+                                config.sync.stall_timeout_s, on_compute_done=self._poke.set)
         self._tag_task_bits = max(4, world.tag_bits - _SUB_BITS)
         # SeCoPa (sync.plan): collective on every rank, before the engine thread starts
         self._plan = PlanFollower(config, world, _build_codec)
@@ -137,7 +144,8 @@ class Engine:
 
     # ------------------------------------------------------------------ user side
     def submit(self, array: Any, name: str, op: str = "average", codec: Any = None,
-               strategy: Optional[str] = None, contributes: bool = True) -> Handle:
+               strategy: Optional[str] = None, contributes: bool = True,
+               inplace: bool = False) -> Handle:
         """Queue an allreduce of ``array`` under ``name``; see :func:`hipress.allreduce_async`."""
         self._check_alive()
         if not isinstance(name, str) or not name:
@@ -147,6 +155,9 @@ class Engine:
         if strategy is not None and strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
         check_gradient_dtype(array.dtype, f"gradient {name!r}")
+        inplace = bool(inplace) and _writable_contiguous(array)
+        if self.size == 1:
+            return self._local(array, name, codec, inplace)
         cobj, key = self._resolve_codec(name, array, codec)
         strategy = strategy or self.cfg.sync.strategy
         parts = None
@@ -157,9 +168,31 @@ class Engine:
         sub = _Submission(name=name, array=array, average=(op == "average"), codec=cobj,
                           codec_key=key, strategy=strategy,
                           contributes=bool(contributes), handle=Handle(name), kind="allreduce",
-                          root=-1, seq=0, partitions=parts)
+                          root=-1, seq=0, partitions=parts, inplace=inplace)
         self._enqueue(sub)
         return sub.handle
+
+    def _local(self, array: Any, name: str, codec: Any, inplace: bool) -> Handle:
+        """World size 1: nothing travels, so the result is the input, exactly.
+
+        Compression exists to cut the bytes on the wire; with one rank there is no wire,
+        so no codec runs, no residual changes and no thread is involved: the handle is
+        complete on return (``array`` itself when ``inplace``, else a copy). The sum and
+        the average over one rank are both the array.
+        """
+        self._resolve_codec(name, array, codec)  # validates the codec name/params
+        if not self._warned_local and self.rank == 0:
+            self._warned_local = True
+            logger.info("world size 1: gradients are returned as they are (nothing travels, "
+                        "so no codec runs and no residual changes)")
+        st = self.stats_table.setdefault(name, {})
+        st["calls"] = st.get("calls", 0) + 1
+        st["numel"] = int(array.size)
+        st["codec"] = "none"
+        st["strategy"] = "local"
+        handle = Handle(name)
+        handle._finish(array if inplace else array_module(array).array(array, copy=True))
+        return handle
 
     def broadcast(self, array: Any, root: int, name: str) -> Handle:
         """Queue a broadcast of root's ``array`` (bytes on non-roots may be anything)."""
@@ -168,7 +201,7 @@ class Engine:
             raise ValueError(f"root rank {root} is outside [0, {self.size})")
         sub = _Submission(name=name, array=array, average=False, codec=None, codec_key="bcast",
                           strategy="bcast", contributes=True, handle=Handle(name),
-                          kind="broadcast", root=root, seq=0, partitions=None)
+                          kind="broadcast", root=root, seq=0, partitions=None, inplace=False)
         self._enqueue(sub)
         return sub.handle
 
@@ -180,6 +213,7 @@ class Engine:
         """Finish in-flight work on every rank, stop the thread, write the timeline."""
         self._shutdown.set()
         self._wake.set()
+        self._poke.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("HiPress engine thread did not stop within %.0f s", timeout)
@@ -329,6 +363,7 @@ class Engine:
             self._inflight[sub.name] = sub
             self._queue.append(sub)
         self._wake.set()
+        self._poke.set()
 
     def _complete(self, sub: _Submission, result: Any = None,
                   error: Optional[BaseException] = None) -> None:
@@ -359,7 +394,7 @@ class Engine:
         cycle = self.cfg.sync.cycle_time_ms / 1000.0
         timeout = self.cfg.sync.stall_timeout_s
         phase, req, round_start, lens, msg, last_round = 0, None, 0.0, None, b"", 0.0
-        idle_rounds = 0
+        idle_rounds = idle_polls = 0
         while True:
             progressed = False
             if self._sched.busy and self._local_error is None:
@@ -368,6 +403,7 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
                     self._local_error = exc
                     self._wake.set()
+                    self._poke.set()
             now = time.monotonic()
             if phase == 0:
                 wait = cycle * min(1 + idle_rounds, 10)
@@ -400,13 +436,20 @@ class Engine:
                     f"negotiation round {self._round + 1} did not complete in {timeout:.0f} s: "
                     "a rank died or stopped calling HiPress"
                 )
-            if not progressed:
-                if self._sched.busy:
-                    time.sleep(0.0002)
-                elif phase == 0:
-                    self._wake.wait(min(cycle * min(1 + idle_rounds, 10), 0.01))
-                else:
-                    time.sleep(0.0005)
+            if progressed:
+                idle_polls = 0
+                continue
+            # Nothing moved: sleep until a compute step finishes or work is submitted
+            # (both set _poke), or for a short back-off while MPI messages are in flight
+            # (0.1 ms doubling to 2 ms: MPI progresses only inside our calls, and a kernel
+            # socket buffer holds several ms of a 1-10 Gbit/s link).
+            if self._sched.busy or phase:
+                wait = min(0.0001 * (1 << min(idle_polls, 5)), 0.002)
+                idle_polls += 1
+            else:
+                wait = min(cycle * min(1 + idle_rounds, 10), 0.01)
+            if self._poke.wait(wait):
+                self._poke.clear()
 
     def _make_message(self) -> bytes:
         new = []
@@ -510,6 +553,14 @@ class Engine:
             if path == "broadcast":
                 self._sched.add(T.broadcast_task(self.env, job, sub.root, self._next_tag()),
                                 sub.name)
+            elif path == "fused" and self._direct(job):
+                n = job.flat.size
+                parts = max(1, min(n, math.ceil(job.flat.nbytes / _DIRECT_PARTITION_BYTES)))
+                bounds = T._bounds(n, parts)
+                job.parts_left = parts
+                for p in range(parts):
+                    self._sched.add(T.direct_task(self.env, job, bounds[p], bounds[p + 1], p,
+                                                  self._next_tag()), f"{sub.name}#p{p}")
             elif path == "fused":
                 fused.setdefault(np.dtype(sub.array.dtype), []).append(job)
             elif path == "allreduce":
@@ -544,18 +595,30 @@ class Engine:
             tags = [self._next_tag() for _ in buckets]
             self._sched.add(T.fused_chain_task(self.env, buckets, tags), "fused")
 
+    def _direct(self, job: T.Job) -> bool:
+        """Return True for an uncompressed gradient that skips the fusion buffer.
+
+        Large float32/float64 host gradients are reduced straight from and into their own
+        memory (:func:`hipress.engine.tasks.direct_task`): copying them into a fused
+        buffer and back would cost two passes over memory for nothing.
+        """
+        return (isinstance(job.flat, np.ndarray) and job.flat.dtype in _DIRECT_DTYPES
+                and job.flat.nbytes >= _DIRECT_MIN_BYTES)
+
     def _job(self, sub: _Submission, path: str) -> T.Job:
         arr = sub.array
         xp = array_module(arr)
         flat = xp.ascontiguousarray(arr).reshape(-1)
         if path in ("ps", "ring", "gather", "allreduce"):
             flat = flat.astype(compute_dtype(flat.dtype), copy=False)
-        out = xp.empty(arr.size, dtype=arr.dtype)
+        out = arr.reshape(-1) if sub.inplace else xp.empty(arr.size, dtype=arr.dtype)
         memory = self._memory_for(sub.codec) if sub.codec is not None else self._memories["none"]
 
         def done(job: T.Job, sub: _Submission = sub) -> None:
             if sub.kind == "broadcast":
                 res = job.out
+            elif sub.inplace:
+                res = sub.array
             else:
                 res = job.out.reshape(sub.array.shape)
             self._complete(sub, res)
@@ -580,6 +643,12 @@ class Engine:
                 logger.info("HiPress timeline written to %s", path)
         except Exception:  # noqa: BLE001 - never mask the real outcome
             logger.exception("could not write the HiPress timeline to %s", path)
+
+
+def _writable_contiguous(array: Any) -> bool:
+    """Return True if results can be written into ``array`` itself (C-contiguous, writable)."""
+    flags = getattr(array, "flags", None)
+    return bool(flags is not None and flags.c_contiguous and getattr(flags, "writeable", True))
 
 
 def _codec_key(name: str, params: Dict[str, Any]) -> str:

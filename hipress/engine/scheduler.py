@@ -16,10 +16,11 @@ which ranks happen to step their graphs never matters.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Callable, Generator, List, Optional
+from typing import Any, Callable, Deque, Generator, List, Optional, Set
 
 import numpy as np
 
@@ -40,12 +41,14 @@ class Recv:
     """Receive bytes from rank ``src`` with ``tag``; resumes with a uint8 NumPy array.
 
     ``nbytes`` preposts a receive of exactly that size; None probes for the size first
-    (payloads of variable size).
+    (payloads of variable size). ``buf`` (a contiguous uint8 NumPy array of ``nbytes``
+    bytes, e.g. a view of a result buffer) receives in place instead of into a new array.
     """
 
     src: int
     tag: int
     nbytes: Optional[int] = None
+    buf: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass
@@ -62,9 +65,10 @@ TaskGen = Generator[Any, Any, None]
 class _Op:
     """One started primitive: an MPI request, a pending probe, or a future."""
 
-    __slots__ = ("kind", "req", "buf", "msg_src", "tag", "future", "done", "result", "peer")
+    __slots__ = ("kind", "req", "buf", "msg_src", "tag", "future", "done", "result", "peer",
+                 "task")
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, task: _Task) -> None:
         self.kind = kind
         self.req: Any = None
         self.buf: Any = None
@@ -74,10 +78,11 @@ class _Op:
         self.peer = -1
         self.tag = 0
         self.msg_src = -1
+        self.task = task
 
 
 class _Task:
-    __slots__ = ("gen", "ops", "many", "label", "since")
+    __slots__ = ("gen", "ops", "many", "label", "since", "pending")
 
     def __init__(self, gen: TaskGen, label: str) -> None:
         self.gen = gen
@@ -85,10 +90,16 @@ class _Task:
         self.many = False
         self.label = label
         self.since = time.monotonic()
+        self.pending = 0
 
 
 class Scheduler:
     """Steps task coroutines; owned and driven by the engine's background thread.
+
+    Progress is tested in bulk: every MPI request in flight sits in one list tested with
+    a single ``MPI_Testsome`` per :meth:`poll`, and compute steps report completion
+    through a callback, so a poll costs one C call plus Python work only for the
+    primitives that finished (not for every task in flight).
 
     Args:
         comm: the data communicator (mpi4py).
@@ -96,9 +107,12 @@ class Scheduler:
         compute_threads: threads for :class:`Compute` steps; 0 runs them inline.
         wait_timeout_s: a primitive that does not finish in this time fails its task with
             a :class:`SyncError` naming the peer rank (a dead or stuck rank).
+        on_compute_done: called (from a compute thread) whenever a compute step finishes,
+            so the driving thread can wake up.
     """
 
-    def __init__(self, comm: Any, mpi: Any, compute_threads: int, wait_timeout_s: float) -> None:
+    def __init__(self, comm: Any, mpi: Any, compute_threads: int, wait_timeout_s: float,
+                 on_compute_done: Optional[Callable[[], None]] = None) -> None:
         self.comm = comm
         self.mpi = mpi
         self.pool = None
@@ -106,15 +120,22 @@ class Scheduler:
             self.pool = concurrent.futures.ThreadPoolExecutor(
                 compute_threads, thread_name_prefix="hipress-compute")
         self.wait_timeout_s = wait_timeout_s
-        self.tasks: List[_Task] = []
+        self.tasks: Set[_Task] = set()
         self.bytes_sent = 0
+        self._reqs: List[Any] = []
+        self._req_ops: List[_Op] = []
+        self._probes: List[_Op] = []
+        self._computed: Deque[_Op] = collections.deque()
+        self._ready: List[_Task] = []
+        self._on_compute_done = on_compute_done
+        self._last_timeout_check = time.monotonic()
 
     def add(self, gen: TaskGen, label: str) -> None:
         """Start a task coroutine (it runs until its first primitive right away)."""
         task = _Task(gen, label)
         self._advance(task, None)
         if task.gen is not None:
-            self.tasks.append(task)
+            self.tasks.add(task)
 
     @property
     def busy(self) -> bool:
@@ -127,26 +148,19 @@ class Scheduler:
         Returns:
             True if any task made progress.
         """
-        progressed = False
-        still: List[_Task] = []
-        now = time.monotonic()
-        for task in self.tasks:
-            if self._test(task):
-                progressed = True
+        self._test_all()
+        progressed = bool(self._ready)
+        while self._ready:
+            ready, self._ready = self._ready, []
+            for task in ready:
                 results = [op.result for op in task.ops]
                 self._advance(task, results if task.many else results[0])
-            elif now - task.since > self.wait_timeout_s:
-                waiting = [op for op in task.ops if not op.done]
-                peers = sorted({op.peer for op in waiting if op.peer >= 0})
-                raise SyncError(
-                    f"task {task.label} waited {now - task.since:.1f} s for "
-                    f"{', '.join(op.kind for op in waiting)} with rank(s) {peers}: a rank died, "
-                    "hangs, or skipped this gradient (raise sync.stall_timeout_s if a step "
-                    "legitimately takes longer)"
-                )
-            if task.gen is not None:
-                still.append(task)
-        self.tasks = still
+                if task.gen is None:
+                    self.tasks.discard(task)
+        now = time.monotonic()
+        if now - self._last_timeout_check > 0.5:
+            self._last_timeout_check = now
+            self._check_timeouts(now)
         return progressed
 
     def shutdown(self) -> None:
@@ -155,6 +169,56 @@ class Scheduler:
             self.pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ internals
+    def _check_timeouts(self, now: float) -> None:
+        for task in self.tasks:
+            if task.pending and now - task.since > self.wait_timeout_s:
+                waiting = [op for op in task.ops if not op.done]
+                peers = sorted({op.peer for op in waiting if op.peer >= 0})
+                raise SyncError(
+                    f"task {task.label} waited {now - task.since:.1f} s for "
+                    f"{', '.join(op.kind for op in waiting)} with rank(s) {peers}: a rank died, "
+                    "hangs, or skipped this gradient (raise sync.stall_timeout_s if a step "
+                    "legitimately takes longer)"
+                )
+
+    def _finish_op(self, op: _Op, result: Any) -> None:
+        op.done = True
+        op.result = result
+        task = op.task
+        task.pending -= 1
+        if task.pending == 0:
+            self._ready.append(task)
+
+    def _test_all(self) -> None:
+        """Finish every primitive that completed since the last call."""
+        MPI = self.mpi
+        while self._computed:
+            op = self._computed.popleft()
+            self._finish_op(op, op.future.result())  # re-raises the step's exception
+        if self._probes:
+            still = []
+            for op in self._probes:
+                status = MPI.Status()
+                msg = self.comm.Improbe(source=op.peer, tag=op.tag, status=status)
+                if msg is None:
+                    still.append(op)
+                    continue
+                op.buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
+                op.req = msg.Irecv([op.buf, MPI.BYTE])
+                op.kind = "recv"
+                self._reqs.append(op.req)
+                self._req_ops.append(op)
+            self._probes = still
+        if self._reqs:
+            idx = MPI.Request.Testsome(self._reqs)
+            if idx:
+                done = set(idx)
+                for i in idx:
+                    op = self._req_ops[i]
+                    self._finish_op(op, op.buf if op.kind == "recv" else None)
+                self._reqs = [r for i, r in enumerate(self._reqs) if i not in done]
+                self._req_ops = [o for i, o in enumerate(self._req_ops) if i not in done]
+
     def _advance(self, task: _Task, value: Any) -> None:
         """Resume ``task`` with ``value`` until it yields primitives that are not done."""
         while True:
@@ -165,67 +229,51 @@ class Scheduler:
                 return
             task.many = isinstance(req, list)
             reqs = req if task.many else [req]
-            task.ops = [self._start(r) for r in reqs]
             task.since = time.monotonic()
-            if not self._test(task):
+            task.pending = len(reqs)
+            task.ops = [self._start(r, task) for r in reqs]
+            if task.pending:
                 return
             results = [op.result for op in task.ops]
             value = results if task.many else results[0]
 
-    def _start(self, r: Any) -> _Op:
+    def _start(self, r: Any, task: _Task) -> _Op:
         MPI = self.mpi
         if isinstance(r, Send):
-            op = _Op("send")
+            op = _Op("send", task)
             op.peer = r.dest
             op.buf = r.buf
             op.req = self.comm.Isend([r.buf, MPI.BYTE], dest=r.dest, tag=r.tag)
             self.bytes_sent += int(r.buf.nbytes)
+            self._reqs.append(op.req)
+            self._req_ops.append(op)
             return op
         if isinstance(r, Recv):
-            op = _Op("recv")
+            op = _Op("recv", task)
             op.peer = r.src
             op.tag = r.tag
-            if r.nbytes is not None:
-                op.buf = np.empty(int(r.nbytes), dtype=np.uint8)
+            if r.buf is not None or r.nbytes is not None:
+                op.buf = r.buf if r.buf is not None else np.empty(int(r.nbytes), dtype=np.uint8)
                 op.req = self.comm.Irecv([op.buf, MPI.BYTE], source=r.src, tag=r.tag)
+                self._reqs.append(op.req)
+                self._req_ops.append(op)
             else:
                 op.kind = "probe"
+                self._probes.append(op)
             return op
         if isinstance(r, Compute):
-            op = _Op("compute")
+            op = _Op("compute", task)
             if self.pool is None:
                 op.result = r.fn(*r.args)
                 op.done = True
+                task.pending -= 1
             else:
                 op.future = self.pool.submit(r.fn, *r.args)
+                op.future.add_done_callback(lambda _f, op=op: self._computed_cb(op))
             return op
         raise TypeError(f"task yielded {type(r).__name__}; expect Send, Recv, Compute or a list")
 
-    def _test(self, task: _Task) -> bool:
-        MPI = self.mpi
-        all_done = True
-        for op in task.ops:
-            if op.done:
-                continue
-            if op.kind == "probe":
-                status = MPI.Status()
-                msg = self.comm.Improbe(source=op.peer, tag=op.tag, status=status)
-                if msg is None:
-                    all_done = False
-                    continue
-                op.buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-                op.req = msg.Irecv([op.buf, MPI.BYTE])
-                op.kind = "recv"
-            if op.kind in ("send", "recv"):
-                if op.req.Test():
-                    op.done = True
-                    op.result = op.buf if op.kind == "recv" else None
-                else:
-                    all_done = False
-            elif op.kind == "compute":
-                if op.future.done():
-                    op.result = op.future.result()  # re-raises the task's exception
-                    op.done = True
-                else:
-                    all_done = False
-        return all_done
+    def _computed_cb(self, op: _Op) -> None:
+        self._computed.append(op)  # deque.append is atomic; polled by the driving thread
+        if self._on_compute_done is not None:
+            self._on_compute_done()

@@ -29,7 +29,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hipress.backend import GRADIENT_DTYPES, array_module, compute_dtype, to_host
+from hipress.backend import GRADIENT_DTYPES, array_module, compute_dtype, store_scaled, to_host
 from hipress.codecs.base import Codec, Payload
 from hipress.engine.scheduler import Compute, Recv, Send
 from hipress.memory import Memory
@@ -100,35 +100,25 @@ def _write(job: Job, lo: int, hi: int, value: Any, size: int, scaled: bool = Fal
 
     ``scaled`` means ``value`` is already the average (the codec applied ``prescale``).
     """
-    xp = array_module(job.out)
-    value = xp.asarray(value) if xp is not np else to_host(value)
-    dest = job.out[lo:hi]
-    if job.average and not scaled:
-        # one pass: divide in the compute dtype, cast on store
-        value = value.astype(compute_dtype(value.dtype), copy=False)
-        xp.divide(value, value.dtype.type(size), out=dest, casting="unsafe")
-    else:
-        dest[...] = value.reshape(-1)
+    store_scaled(value, job.out[lo:hi], size if job.average and not scaled else 1)
 
 
 # ------------------------------------------------------------------ compute steps
 def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
                  feedback: bool, part: str) -> Tuple[np.ndarray, Any]:
-    """Error-feedback compensate, encode, record the residual.
+    """Encode, with error feedback through the job's memory when ``feedback``.
 
     Returns:
-        (wire bytes, decoded payload or None): the decode that error feedback needs anyway
-        is handed back so the caller never decodes its own payload twice (decoding is
-        deterministic, so it equals what every other rank decodes from the bytes).
+        (wire bytes, decoded payload or None): a decode that error feedback computed
+        anyway is handed back so the caller never decodes its own payload twice
+        (decoding is deterministic, so it equals what every other rank decodes from the
+        bytes); fused error-feedback kernels compute none.
     """
-    tl = env.timeline
-    with tl.span("encode", gradient=job.name, partition=part, numel=int(x.size)):
-        c = job.memory.compensate(key, x) if feedback else x
-        payload = codec.encode(c, name=key)
-        decoded = None
+    with env.timeline.span("encode", gradient=job.name, partition=part, numel=int(x.size)):
         if feedback:
-            decoded = codec.decode(payload)
-            job.memory.update(key, c, decoded)
+            payload, decoded = job.memory.encode(codec, key, x)
+        else:
+            payload, decoded = codec.encode(x, name=key), None
         buf = payload.to_buffer()
     return buf, decoded
 
@@ -138,16 +128,23 @@ def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[Any],
     """Decode payloads and sum them in the given (rank) order, plus ``extra`` if given.
 
     An entry of ``bufs`` that is a (bytes, decoded) pair from :func:`_encode_step` with a
-    decoded array is used as it is instead of being decoded again.
+    decoded array is used as it is instead of being decoded again. After the first
+    payload, each is added with the codec's :meth:`~hipress.codecs.Codec.decode_add`
+    (one pass, no decoded temporary where the codec has a fused kernel).
     """
     xp = array_module(job.flat)
     with env.timeline.span("decode+merge", gradient=job.name, partition=part,
                            payloads=len(bufs)):
         acc = None
         for buf in bufs:
-            v = _decoded(codec, buf, xp)
-            v = v.astype(compute_dtype(v.dtype), copy=False)
-            acc = v.copy() if acc is None else acc.__iadd__(v)
+            if acc is None:
+                v = _decoded(codec, buf, xp)
+                acc = v.astype(compute_dtype(v.dtype), copy=False)  # a new array: ours
+            elif isinstance(buf, tuple) and buf[1] is not None:
+                acc += buf[1].reshape(-1).astype(acc.dtype, copy=False)
+            else:
+                raw = buf[0] if isinstance(buf, tuple) else buf
+                codec.decode_add(Payload.from_bytes(raw, xp=xp), acc)
         if extra is not None:
             acc = extra.astype(acc.dtype, copy=True) if acc is None else acc.__iadd__(extra)
     return acc
@@ -162,10 +159,17 @@ def _decoded(codec: Codec, buf: Any, xp: Any) -> Any:
     return codec.decode(Payload.from_bytes(buf, xp=xp)).reshape(-1)
 
 
-def _decode_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, part: str) -> Any:
-    xp = array_module(job.flat)
+def _decode_write_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, lo: int, hi: int,
+                       part: str) -> None:
+    """Decode the final payload of ``flat[lo:hi]`` into the output, averaged if asked."""
+    divisor = env.size if job.average else 1
     with env.timeline.span("decode", gradient=job.name, partition=part):
-        return _decoded(codec, buf, xp)
+        if isinstance(buf, tuple) and buf[1] is not None:
+            store_scaled(buf[1], job.out[lo:hi], divisor)
+            return
+        raw = buf[0] if isinstance(buf, tuple) else buf
+        codec.decode_into(Payload.from_bytes(raw, xp=array_module(job.flat)), job.out[lo:hi],
+                          divisor)
 
 
 def _comm(env: TaskEnv, job: Job, part: str, kind: str, ops: List[Any]) -> Generator:
@@ -214,8 +218,7 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
         final = yield Compute(_encode_step, (env, job, codec, merged, skey, sfb, label + "@agg"))
         yield from _comm(env, job, label, "send", [Send(r, final[0], tag + 1) for r in range(N)
                                                    if r != me])
-    result = yield Compute(_decode_step, (env, job, codec, final, label))
-    _write(job, lo, hi, result, N)
+    yield Compute(_decode_write_step, (env, job, codec, final, lo, hi, label))
     _stat(env, job.name, payload_bytes=int(own[0].size), raw_bytes=(hi - lo) * x.dtype.itemsize)
     job.part_done()
 
@@ -272,8 +275,8 @@ def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> 
         for r, buf in zip(others, got[N - 1:]):
             finals[(r + 1) % N] = buf
     for j in range(N):
-        res = yield Compute(_decode_step, (env, job, codec, finals[j], f"{label}c{j}"))
-        _write(job, lo + b[j], lo + b[j + 1], res, N)
+        yield Compute(_decode_write_step, (env, job, codec, finals[j], lo + b[j], lo + b[j + 1],
+                                           f"{label}c{j}"))
     _stat(env, job.name, payload_bytes=int(sum(_nbytes(v) for v in finals.values())),
           raw_bytes=(hi - lo) * x.dtype.itemsize)
     job.part_done()
@@ -461,6 +464,63 @@ def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:
               payload_bytes=int(j.flat.nbytes), raw_bytes=int(j.flat.nbytes))
         pos += n
         j.part_done()
+
+
+def direct_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> Generator:
+    """Uncompressed allreduce of ``flat[lo:hi]`` (float32/float64 host arrays), no copies.
+
+    The partition is cut into N chunks; chunk j is owned by rank j.
+
+    1. reduce-scatter: each rank sends chunk j straight from the gradient's memory to
+       rank j and receives the N-1 copies of the chunk it owns;
+    2. the owner sums its chunk in rank order (and divides by N for an average) directly
+       into the output;
+    3. allgather: the owner sends the result chunk to every rank, which receives it
+       directly into its output.
+
+    Every element is summed once, by its owner, so all ranks hold identical bits; the
+    bytes on the wire equal a ring allreduce's. With an in-place job (output = input) the
+    output chunk a rank owns is written only after its input was read (a copy of it is
+    kept when rank order would overwrite it first).
+    """
+    N, me = env.size, env.rank
+    x, out = job.flat[lo:hi], job.out[lo:hi]
+    b = _bounds(hi - lo, N)
+    item = x.dtype.itemsize
+    raw = x.view(np.uint8)
+    label = f"p{part}"
+    others = [r for r in range(N) if r != me]
+    got = yield from _comm(env, job, label, "reduce-scatter", [
+        Send(j, raw[b[j] * item:b[j + 1] * item], tag) for j in others] + [
+        Recv(i, tag, (b[me + 1] - b[me]) * item) for i in others])
+    mine = out[b[me]:b[me + 1]]
+    own = x[b[me]:b[me + 1]]
+    if me >= 2 and np.shares_memory(own, mine):
+        own = own.copy()
+    parts = [g.view(x.dtype) for g in got[N - 1:]]
+    parts.insert(me, own)
+    yield Compute(_sum_into, (env, job.name, label, parts, mine, N if job.average else 1))
+    out_raw = out.view(np.uint8)
+    yield from _comm(env, job, label, "allgather", [
+        Send(j, out_raw[b[me] * item:b[me + 1] * item], tag + 1) for j in others] + [
+        Recv(i, tag + 1, (b[i + 1] - b[i]) * item, out_raw[b[i] * item:b[i + 1] * item])
+        for i in others])
+    _stat(env, job.name, payload_bytes=(hi - lo) * item, raw_bytes=(hi - lo) * item)
+    job.part_done()
+
+
+def _sum_into(env: TaskEnv, name: str, label: str, parts: Sequence[np.ndarray],
+              out: np.ndarray, divisor: int) -> None:
+    """Write (parts[0] + parts[1] + ...) / divisor into out, summed in list order."""
+    with env.timeline.span("merge", gradient=name, partition=label, payloads=len(parts)):
+        if len(parts) == 1:
+            out[...] = parts[0]
+        else:
+            np.add(parts[0], parts[1], out=out)
+            for p in parts[2:]:
+                out += p
+        if divisor != 1:
+            np.divide(out, out.dtype.type(divisor), out=out)
 
 
 def fused_chain_task(env: TaskEnv, buckets: Sequence[Sequence[Job]],

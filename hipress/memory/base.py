@@ -14,7 +14,7 @@ running sum of the gradients, off by one bounded residual.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Type
+from typing import Any, Callable, Dict, List, Tuple, Type
 
 import numpy as np
 
@@ -36,6 +36,28 @@ class Memory:
 
     def update(self, name: str, compensated: Any, decoded: Any) -> None:
         """Record what the codec left out of ``compensated``."""
+
+    def encode(self, codec: Any, name: str, grad: Any) -> Tuple[Any, Any]:
+        """Run the error-feedback step of the module docstring for one gradient.
+
+        Args:
+            codec: the :class:`hipress.codecs.Codec`.
+            name: the key of the gradient's state.
+            grad: the gradient (not modified).
+
+        Returns:
+            (payload, decoded): the payload of the compensated gradient, and its decoded
+            array when the step computed one anyway (None otherwise; decoding the payload
+            gives the same values).
+
+        Raises:
+            NonFiniteGradientError: from the codec; the state is then left unchanged.
+        """
+        c = self.compensate(name, grad)
+        payload = codec.encode(c, name=name)
+        decoded = codec.decode(payload)
+        self.update(name, c, decoded)
+        return payload, decoded
 
     def reset(self, name: str = "") -> None:
         """Forget the state of one gradient, or of all when ``name`` is empty."""
@@ -176,6 +198,19 @@ class ResidualMemory(Memory):
         if self.beta == 1.0:
             return xp.add(grad, e, dtype=e.dtype)  # one pass, upcasting on the fly
         return xp.add(grad, e * e.dtype.type(self.beta), dtype=e.dtype)
+
+    def encode(self, codec: Any, name: str, grad: Any) -> Tuple[Any, Any]:
+        """As :meth:`Memory.encode`, through the codec's fused kernel when it has one.
+
+        With ``beta = 1`` the codec's :meth:`~hipress.codecs.Codec.encode_residual` (if it
+        supports the arrays) compensates, encodes and updates in two passes over memory
+        without temporaries; the result is bit-identical to the three separate steps.
+        """
+        if self.beta == 1.0:
+            payload = codec.encode_residual(grad, self._buffer(name, grad), name)
+            if payload is not None:
+                return payload, None
+        return super().encode(codec, name, grad)
 
     def update(self, name: str, compensated: Any, decoded: Any) -> None:
         """Store e = compensated - decoded, in place."""
