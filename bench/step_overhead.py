@@ -5,8 +5,9 @@ Two measurements, each a median over ``--iters`` after ``--warmup``, slowest ran
 - ``--part step``: a plain PyTorch step (forward, backward, SGD update; no
   synchronization) against the same step with ``hipress.torch.DistributedOptimizer`` and
   each ``--codecs`` entry (``none`` = uncompressed). ms per step and the ratio to the plain
-  step measured in the same process. With ``--tf`` / ``--mxnet`` the same for a Keras
-  ``GradientTape`` step and a Gluon ``Trainer`` step.
+  step measured in the same process, interleaved with it step by step (PyTorch rows).
+  With ``--tf`` / ``--mxnet`` the same for a Keras ``GradientTape`` step and a Gluon
+  ``Trainer`` step.
 - ``--part core``: the core alone: ``hipress.allreduce_async`` of a model's gradient set
   (``hipress/data/gradients/<model>.json``, NumPy float32) then ``synchronize``, per codec,
   against ``np.copyto`` of the same bytes (a memory copy, the floor of any runtime that
@@ -159,7 +160,14 @@ def core_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- torch step
 def torch_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
-    """Time a plain PyTorch step, then the HiPress step per codec (this rank)."""
+    """Time a plain PyTorch step against the HiPress step per codec (this rank).
+
+    Each codec gets its own copy of the model (same weights and data), and its steps
+    alternate with the plain model's, so both see the same machine load; the plain row is
+    the median over all of its interleaved steps.
+    """
+    import copy
+
     import torch
     import torch.nn.functional as F  # noqa: N812
     from models import build_model, input_shape
@@ -173,25 +181,39 @@ def torch_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
     data = torch.randn(args.batch_size, *input_shape(args.model, args.image_size), generator=g)
     target = torch.randint(0, 1000, (args.batch_size,), generator=g)
 
-    def make_step(opt: Any) -> Callable[[], None]:
+    def make_step(net: Any, opt: Any) -> Callable[[], None]:
         def step() -> None:
             opt.zero_grad()
-            F.cross_entropy(model(data), target).backward()
+            F.cross_entropy(net(data), target).backward()
             opt.step()
         return step
 
-    plain = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    rows = [{"part": "step", "framework": "torch", "codec": "plain",
-             "ms": _slowest(_median_ms(make_step(plain), args.iters, args.warmup, _barrier))}]
+    plain = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    plain_ms: List[float] = []
+    rows = []
     for codec in _csv(args.codecs):
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        net = copy.deepcopy(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         opt = hp.DistributedOptimizer(
-            opt, named_parameters=[(f"{codec}/{n}", p) for n, p in model.named_parameters()],
+            opt, named_parameters=[(f"{codec}/{n}", p) for n, p in net.named_parameters()],
             compression=codec, **PARAMS.get(codec, {}))
-        ms = _slowest(_median_ms(make_step(opt), args.iters, args.warmup, _barrier))
+        steps = [plain, make_step(net, opt)]
+        times: List[List[float]] = [[], []]
+        for i in range(args.warmup + args.iters):
+            for k, fn in enumerate(steps):
+                _barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    times[k].append(1000.0 * (time.perf_counter() - t0))
         opt.remove_hooks()
         hipress.reset_state(f"{codec}/")
-        rows.append({"part": "step", "framework": "torch", "codec": codec, "ms": ms})
+        plain_ms += times[0]
+        rows.append({"part": "step", "framework": "torch", "codec": codec,
+                     "ms": _slowest(float(np.median(times[1]))),
+                     "plain_ms": _slowest(float(np.median(times[0])))})
+    rows.insert(0, {"part": "step", "framework": "torch", "codec": "plain",
+                    "ms": _slowest(float(np.median(plain_ms)))})
     return rows
 
 
@@ -330,7 +352,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
         base = [b for b in rows if "error" not in b and b["part"] == r["part"]
                 and b["np"] == r["np"] and b["framework"] == r["framework"]
                 and b["codec"] == base_name]
-        ratio = f"{r['ms'] / base[0]['ms']:.2f}x" if base and r["codec"] != base_name else ""
+        ref = r.get("plain_ms") or (base[0]["ms"] if base else None)
+        ratio = f"{r['ms'] / ref:.2f}x" if ref and r["codec"] != base_name else ""
         lines.append(f"| {r['part']} | {r['framework'] if r['part'] == 'step' else 'numpy'} | "
                      f"{r['np']} | {r['codec']} | {r['ms']:.1f} | {ratio} | {r['load']:.1f} |")
     return "\n".join(lines)

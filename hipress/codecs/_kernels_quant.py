@@ -372,9 +372,19 @@ def _build_kernels() -> types.SimpleNamespace:
     def onebit_residual(x, e, bits, v0, v1):
         """Write e[i] = (x[i] + e[i]) - (v1 if bit i is set else v0), in e's dtype."""
         n = e.size
-        for i in range(n):
-            c = e.dtype.type(x[i]) + e[i]
-            e[i] = c - (v1 if (bits[i >> 3] >> (7 - (i & 7))) & 1 else v0)
+        nfull = n // 8
+        for i in range(nfull):
+            b = bits[i]
+            k = 8 * i
+            for j in range(8):
+                c = e.dtype.type(x[k + j]) + e[k + j]
+                e[k + j] = c - (v1 if (b >> (7 - j)) & 1 else v0)
+        k = 8 * nfull
+        if n > k:
+            b = bits[nfull]
+            for j in range(n - k):
+                c = e.dtype.type(x[k + j]) + e[k + j]
+                e[k + j] = c - (v1 if (b >> (7 - j)) & 1 else v0)
 
     @njit
     def decode_1bit_add(bits, v0, v1, acc):

@@ -33,7 +33,13 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from hipress.backend import array_module, check_gradient_dtype, compute_dtype, dtype_code
+from hipress.backend import (
+    array_module,
+    check_gradient_dtype,
+    compute_dtype,
+    dtype_code,
+    to_host,
+)
 from hipress.codecs import Codec, get_codec
 from hipress.engine import tasks as T
 from hipress.engine.scheduler import Scheduler
@@ -51,6 +57,10 @@ _DIRECT_MIN_BYTES = 1 << 20
 #: partition size of such in-place reductions (pipelines large gradients)
 _DIRECT_PARTITION_BYTES = 16 << 20
 _DIRECT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: MPI polling back-off while transfers are in flight (each wake-up costs CPU that the
+#: training step needs; compute steps wake the thread at once, they are not polled)
+_POLL_MIN_S = 0.00025
+_POLL_MAX_S = 0.002
 
 
 class Handle:
@@ -140,7 +150,8 @@ class Engine:
         if self.size + 2 > (1 << _SUB_BITS):
             raise HiPressError(f"world size {self.size} exceeds {(1 << _SUB_BITS) - 2}")
         self._thread = threading.Thread(target=self._run, name="hipress-engine", daemon=True)
-        self._thread.start()
+        if self.size > 1:  # with one rank nothing travels: no thread, no MPI (see _local)
+            self._thread.start()
 
     # ------------------------------------------------------------------ user side
     def submit(self, array: Any, name: str, op: str = "average", codec: Any = None,
@@ -199,6 +210,10 @@ class Engine:
         self._check_alive()
         if not 0 <= root < self.size:
             raise ValueError(f"root rank {root} is outside [0, {self.size})")
+        if self.size == 1:
+            handle = Handle(name)
+            handle._finish(np.ascontiguousarray(to_host(array)).view(np.uint8).reshape(-1))
+            return handle
         sub = _Submission(name=name, array=array, average=False, codec=None, codec_key="bcast",
                           strategy="bcast", contributes=True, handle=Handle(name),
                           kind="broadcast", root=root, seq=0, partitions=None, inplace=False)
@@ -214,7 +229,10 @@ class Engine:
         self._shutdown.set()
         self._wake.set()
         self._poke.set()
-        self._thread.join(timeout)
+        if self.size == 1:
+            self._write_timeline()
+        else:
+            self._thread.join(timeout)
         if self._thread.is_alive():
             logger.error("HiPress engine thread did not stop within %.0f s", timeout)
         self._sched.shutdown()
@@ -428,7 +446,9 @@ class Engine:
                     started = self._process_round(msgs)
                 if all(m["bye"] for m in msgs) and not started:
                     return
-                busy = started or self._table or self._sched.busy
+                # rounds back off (up to 10 cycles) while no rank has new names, even
+                # when transfers are in flight: polling MPI needs no round
+                busy = started or self._table or any(m["new"] for m in msgs)
                 idle_rounds = 0 if busy else idle_rounds + 1
                 progressed = True
             if phase and now - round_start > timeout:
@@ -441,10 +461,10 @@ class Engine:
                 continue
             # Nothing moved: sleep until a compute step finishes or work is submitted
             # (both set _poke), or for a short back-off while MPI messages are in flight
-            # (0.1 ms doubling to 2 ms: MPI progresses only inside our calls, and a kernel
-            # socket buffer holds several ms of a 1-10 Gbit/s link).
+            # (0.25 ms doubling to 2 ms: MPI progresses only inside our calls, and a
+            # kernel socket buffer holds several ms of a 1-10 Gbit/s link).
             if self._sched.busy or phase:
-                wait = min(0.0001 * (1 << min(idle_polls, 5)), 0.002)
+                wait = min(_POLL_MIN_S * (1 << min(idle_polls, 4)), _POLL_MAX_S)
                 idle_polls += 1
             else:
                 wait = min(cycle * min(1 + idle_rounds, 10), 0.01)
