@@ -42,7 +42,7 @@ from hipress.backend import (
 )
 from hipress.codecs import Codec, get_codec
 from hipress.engine import tasks as T
-from hipress.engine.scheduler import Scheduler
+from hipress.engine.scheduler import Scheduler, set_os_thread_name
 from hipress.errors import HiPressError, StallError, SyncError
 from hipress.memory import Memory, get_memory
 from hipress.secopa.runtime import PlanFollower
@@ -59,8 +59,10 @@ _DIRECT_PARTITION_BYTES = 16 << 20
 _DIRECT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: MPI polling back-off while transfers are in flight (each wake-up costs CPU that the
 #: training step needs; compute steps wake the thread at once, they are not polled)
-_POLL_MIN_S = 0.00025
-_POLL_MAX_S = 0.002
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.004
+#: longest interval between negotiation rounds while no rank has new names
+_IDLE_ROUND_MAX_S = 0.05
 
 
 class Handle:
@@ -390,6 +392,7 @@ class Engine:
         sub.handle._finish(result, error)
 
     def _run(self) -> None:
+        set_os_thread_name()
         try:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - reported through every handle
@@ -424,7 +427,7 @@ class Engine:
                     self._poke.set()
             now = time.monotonic()
             if phase == 0:
-                wait = cycle * min(1 + idle_rounds, 10)
+                wait = _round_interval(cycle, idle_rounds)
                 if now - last_round >= wait or (self._wake.is_set() and now - last_round >= cycle):
                     self._wake.clear()
                     msg = self._make_message()
@@ -446,8 +449,8 @@ class Engine:
                     started = self._process_round(msgs)
                 if all(m["bye"] for m in msgs) and not started:
                     return
-                # rounds back off (up to 10 cycles) while no rank has new names, even
-                # when transfers are in flight: polling MPI needs no round
+                # rounds back off while no rank has new names, even when transfers are
+                # in flight: polling MPI needs no round
                 busy = started or self._table or any(m["new"] for m in msgs)
                 idle_rounds = 0 if busy else idle_rounds + 1
                 progressed = True
@@ -461,13 +464,13 @@ class Engine:
                 continue
             # Nothing moved: sleep until a compute step finishes or work is submitted
             # (both set _poke), or for a short back-off while MPI messages are in flight
-            # (0.25 ms doubling to 2 ms: MPI progresses only inside our calls, and a
+            # (0.5 ms doubling to 4 ms: MPI progresses only inside our calls, and a
             # kernel socket buffer holds several ms of a 1-10 Gbit/s link).
             if self._sched.busy or phase:
                 wait = min(_POLL_MIN_S * (1 << min(idle_polls, 4)), _POLL_MAX_S)
                 idle_polls += 1
             else:
-                wait = min(cycle * min(1 + idle_rounds, 10), 0.01)
+                wait = _round_interval(cycle, idle_rounds)
             if self._poke.wait(wait):
                 self._poke.clear()
 
@@ -663,6 +666,18 @@ class Engine:
                 logger.info("HiPress timeline written to %s", path)
         except Exception:  # noqa: BLE001 - never mask the real outcome
             logger.exception("could not write the HiPress timeline to %s", path)
+
+
+def _round_interval(cycle_s: float, idle_rounds: int) -> float:
+    """Seconds between negotiation rounds after ``idle_rounds`` rounds without new names.
+
+    One cycle while names arrive; then doubling per idle round up to
+    :data:`_IDLE_ROUND_MAX_S`. Idle rounds cost every rank CPU (a forward pass alone
+    would otherwise run a hundred of them per second); a rank with new names starts a
+    round after one cycle anyway, and the others join it as soon as their own gradients
+    arrive or their interval ends.
+    """
+    return min(cycle_s * (1 << min(idle_rounds, 16)), max(cycle_s, _IDLE_ROUND_MAX_S))
 
 
 def _writable_contiguous(array: Any) -> bool:

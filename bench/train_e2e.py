@@ -1,0 +1,547 @@
+r"""End-to-end training throughput (images/s) on an emulated cluster: HiPress vs DDP and MPI.
+
+Trains the same model on the same synthetic problem with every system, in one invocation,
+each system as its own ``mpirun`` job on the emulated cluster of
+:mod:`hipress.testing.emucluster` (N hosts, one rank per host, ``tbf``-shaped links; root
+required) or, with ``--local``, on this machine (``mpirun -np N --oversubscribe``):
+
+- ``ddp-noop``: PyTorch DDP over gloo with a hook that returns each bucket unchanged: no
+  synchronization at all, the **compute floor**;
+- ``ddp-allreduce`` (DDP's default), ``ddp-fp16`` (``fp16_compress_hook``),
+  ``ddp-powersgd1`` (``powerSGD_hook``, rank 1, one DDP bucket: with several buckets its
+  gloo collectives ran in different orders on different ranks and the job aborted);
+- ``mpi-allreduce``: Horovod-style; all gradients flattened into one buffer after backward,
+  one ``MPI.Allreduce`` (mpi4py), averaged, copied back;
+- ``hipress-none``: ``hipress.torch.DistributedOptimizer(compression="none")``;
+- ``hipress-<strategy>-<codec>``: HiPress with each codec under ``sync.strategy`` ps and
+  ring; codecs that cannot run under a strategy take another path (gather, compressed
+  allreduce), which the row records (``path``, from ``hipress.stats()``);
+- with ``--tf``: Keras ResNet-50 with ``model.fit``: ``tf-floor`` (each rank trains alone),
+  ``tf-hipress-none`` and ``tf-hipress-<strategy>-<codec>``.
+
+The per-rank script is ``bench/train_e2e_worker.py`` (its docstring defines the per-step
+measurements). Images/s = world x batch / (median step time of the slowest rank).
+
+Usage (root, repository root, virtual environment active; see bench/README.md)::
+
+    python bench/train_e2e.py                                   # the full benchmark
+    python bench/train_e2e.py --models resnet50 --codecs onebit --strategies ps \
+        --iters 1 --warmup 1 --image-size 32                   # a small check
+    python bench/train_e2e.py --local --np 2 --models resnet50 --codecs onebit
+    python bench/train_e2e.py --tf --no-torch --tf-codecs none,onebit --iters 2
+    python bench/train_e2e.py --dry-run                         # print the commands
+
+Writes ``<out>/train_e2e.json`` (every row), ``train_e2e.md`` (the table),
+``train_e2e.png`` (images/s per system and model, compute floor as a line) and
+``train_e2e.log`` (everything the jobs printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "bench" / "train_e2e_worker.py"
+DDP_HOOKS = ("noop", "allreduce", "fp16", "powersgd1")
+DEFAULT_BASELINES = "ddp-noop,ddp-allreduce,ddp-fp16,ddp-powersgd1,mpi-allreduce,hipress-none"
+#: rows every other row of the same framework is compared with (label -> column title)
+PEERS = {"torch": {"ddp-allreduce": "vs DDP allreduce", "ddp-fp16": "vs DDP fp16",
+                   "ddp-powersgd1": "vs DDP PowerSGD", "mpi-allreduce": "vs mpi-allreduce"},
+         "tf": {"tf-hipress-none": "vs HiPress none"}}
+FLOOR = {"torch": "ddp-noop", "tf": "tf-floor"}
+#: Open MPI options for a ring allreduce (bench/cluster.py: its default algorithm for 4
+#: ranks measured 1.6x slower than ring on the emulated 1 Gbit/s cluster)
+OMPI_RING = ("--mca", "coll_tuned_use_dynamic_rules", "1",
+             "--mca", "coll_tuned_allreduce_algorithm", "4")
+
+
+def csv(text: str) -> List[str]:
+    """Split a comma-separated flag value, dropping empty items."""
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the command line (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, default=4, help="emulated hosts, one rank each")
+    p.add_argument("--np", type=int, default=None, help="ranks with --local (default --hosts)")
+    p.add_argument("--local", action="store_true",
+                   help="run on localhost (mpirun --oversubscribe), no emulated cluster, no root")
+    p.add_argument("--rates", default="1gbit", help="link rates, comma-separated (1gbit,10gbit)")
+    p.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue bound (not a delay)")
+    p.add_argument("--models", default="resnet50,vgg19",
+                   help="PyTorch models of examples/torch/models.py")
+    p.add_argument("--baselines", default=DEFAULT_BASELINES,
+                   help="baseline systems ('' for none; ddp-noop, the compute floor, always runs)")
+    p.add_argument("--codecs", default="onebit,tbq,terngrad,dgc,graddrop,powersgd",
+                   help="HiPress codecs ('' for none)")
+    p.add_argument("--strategies", default="ps,ring", help="HiPress sync.strategy values")
+    p.add_argument("--ompi-ring", action="store_true",
+                   help="force Open MPI's ring allreduce in the mpi-allreduce job")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch jobs")
+    p.add_argument("--tf", action="store_true", help="also run the TensorFlow jobs")
+    p.add_argument("--tf-codecs", default="none,onebit,terngrad",
+                   help="HiPress codecs of the TensorFlow jobs")
+    p.add_argument("--batch-size", type=int, default=8, help="images per rank per step")
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--iters", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch.set_num_threads in every job (TF: intra-op threads) and "
+                   "OMP_NUM_THREADS; 0 = leave the library default")
+    p.add_argument("--job-timeout", type=float, default=600.0,
+                   help="seconds before a job is killed (its row records rc 124)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "train-e2e"))
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- jobs
+def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Return the jobs of one link rate: one dict per system, model and framework.
+
+    Each job has ``framework``, ``model``, ``label`` (the system's row name), ``system``,
+    ``codec``, ``strategy`` (asked for; HiPress rows only) and ``worker`` (the worker's
+    arguments).
+    """
+    common = ["--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
+              "--warmup", str(args.warmup), "--iters", str(args.iters),
+              "--torch-threads", str(args.torch_threads)]
+    baselines = csv(args.baselines)
+    unknown = [b for b in baselines
+               if b not in ("mpi-allreduce", "hipress-none") + tuple(f"ddp-{h}" for h in DDP_HOOKS)]
+    if unknown:
+        raise SystemExit(f"--baselines: unknown {unknown}; choose from {DEFAULT_BASELINES}")
+    jobs: List[Dict[str, Any]] = []
+
+    def add(framework: str, model: str, label: str, system: str, codec: str = "",
+            strategy: str = "", hook: str = "") -> None:
+        w = ["--system", system, "--model", model, *common]
+        if hook:
+            w += ["--hook", hook]
+        if system in ("hipress", "tf-hipress"):
+            w += ["--codec", codec, "--strategy", strategy]
+        jobs.append({"framework": framework, "model": model, "label": label, "system": system,
+                     "codec": codec or hook or "none", "strategy": strategy, "worker": w})
+
+    strategies = csv(args.strategies) or ["ps"]
+    if not args.no_torch:
+        for model in csv(args.models):
+            add("torch", model, "ddp-noop", "ddp", hook="noop")
+            for hook in DDP_HOOKS[1:]:
+                if f"ddp-{hook}" in baselines:
+                    add("torch", model, f"ddp-{hook}", "ddp", hook=hook)
+            if "mpi-allreduce" in baselines:
+                add("torch", model, "mpi-allreduce", "mpi-allreduce")
+            if "hipress-none" in baselines:
+                add("torch", model, "hipress-none", "hipress", "none", strategies[0])
+            for codec in csv(args.codecs):
+                for strategy in strategies:
+                    add("torch", model, f"hipress-{strategy}-{codec}", "hipress", codec, strategy)
+    if args.tf:
+        add("tf", "resnet50", "tf-floor", "tf-floor")
+        for codec in csv(args.tf_codecs):
+            if codec == "none":
+                add("tf", "resnet50", "tf-hipress-none", "tf-hipress", "none", strategies[0])
+                continue
+            for strategy in strategies:
+                add("tf", "resnet50", f"tf-hipress-{strategy}-{codec}", "tf-hipress", codec,
+                    strategy)
+    return jobs
+
+
+def mpirun_path() -> str:
+    """Return the virtual environment's ``mpirun`` if there is one, else ``mpirun``."""
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else "mpirun"
+
+
+def job_command(job: Dict[str, Any], args: argparse.Namespace, hosts: Optional[str],
+                master: str, prefix: Path) -> List[str]:
+    """Return the ``mpirun`` command line of one job.
+
+    Args:
+        job: one entry of :func:`plan_jobs`.
+        args: parsed command line.
+        hosts: ``-H`` value of the emulated cluster, or None for a local job.
+        master: DDP rendezvous ``host:port`` (host 1 of the cluster, or 127.0.0.1).
+        prefix: the worker's ``--json`` prefix.
+    """
+    n = args.hosts if hosts else (args.np or args.hosts)
+    cmd = [mpirun_path(), "-np", str(n)]
+    cmd += ["-H", hosts] if hosts else ["--oversubscribe"]
+    cmd += ["--bind-to", "none", "--map-by", "slot", "--tag-output", "-x", "PYTHONUNBUFFERED",
+            "-x", "TF_CPP_MIN_LOG_LEVEL"]
+    if args.torch_threads > 0:
+        cmd += ["-x", "OMP_NUM_THREADS"]
+    if job["system"] == "mpi-allreduce" and args.ompi_ring:
+        cmd += list(OMPI_RING)
+    worker = list(job["worker"])
+    if job["system"] == "ddp":
+        worker += ["--master", master]
+    return cmd + [sys.executable, str(WORKER), *worker, "--json", str(prefix)]
+
+
+def run_job(cmd: List[str], env: Dict[str, str], timeout: float, log: Path) -> tuple:
+    """Run a job, tee its output to stdout and ``log``; kill its process group on timeout.
+
+    Returns:
+        (exit status, 124 on timeout; the job's output lines).
+    """
+    print("$ " + shlex.join(cmd), flush=True)
+    lines: List[str] = []
+    timed_out = threading.Event()
+    with open(log, "a") as fh:
+        fh.write("$ " + shlex.join(cmd) + "\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+        def kill(sig: int = signal.SIGTERM) -> None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+        def expire() -> None:  # fires even when the job prints nothing
+            timed_out.set()
+            kill(signal.SIGTERM)
+            time.sleep(10)
+            if proc.poll() is None:
+                kill(signal.SIGKILL)
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                fh.write(line)
+                lines.append(line.rstrip("\n"))
+            rc = proc.wait()
+        except BaseException:
+            kill(signal.SIGKILL)
+            raise
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                kill(signal.SIGKILL)
+                proc.wait()
+        if timed_out.is_set():
+            msg = f"!! job ran past {timeout:.0f} s; killed"
+            print(msg, flush=True)
+            fh.write(msg + "\n")
+            lines.append(msg)
+            rc = 124
+    return rc, lines
+
+
+def loadavg() -> List[float]:
+    """Return the 1, 5 and 15 minute load averages, rounded."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ----------------------------------------------------------------------------- rows
+def _median(xs: Sequence[float]) -> Optional[float]:
+    return float(statistics.median(xs)) if xs else None
+
+
+def _mean(xs: Sequence[float]) -> Optional[float]:
+    return float(statistics.fmean(xs)) if xs else None
+
+
+def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Turn the per-rank results of one job into its row.
+
+    Wall times are per-rank medians over the timed steps; ``step_s`` is the slowest rank's,
+    the breakdown (compute, step(), CPU times) the mean over ranks of the per-rank medians
+    (CPU times: per-rank means, ``/proc`` counts in clock ticks of 10 ms).
+    """
+    per_rank = []
+    for r in ranks:
+        timed = r["steps"][r["warmup_used"]:]
+        per_rank.append({
+            "rank": r["rank"], "host": r["host"],
+            "step_s": _median([s["step_s"] for s in timed]),
+            "compute_s": _median([s["compute_s"] for s in timed if "compute_s" in s]),
+            "step_call_s": _median([s["step_call_s"] for s in timed if "step_call_s" in s]),
+            "engine_cpu_s": _mean([s["engine_cpu_s"] for s in timed]),
+            "cpu_s": _mean([s["cpu_s"] for s in timed]),
+            "update_s": r.get("update_s"), "loss": r.get("loss"),
+        })
+    world = ranks[0]["world"]
+    step = max(p["step_s"] for p in per_rank)
+
+    def avg(key: str) -> Optional[float]:
+        vals = [p[key] for p in per_rank if p[key] is not None]
+        return _mean(vals) if vals else None
+
+    row = {"step_s": step, "images_per_s": world * ranks[0]["batch_size"] / step,
+           "world": world, "compute_s": avg("compute_s"), "step_call_s": avg("step_call_s"),
+           "update_s": avg("update_s"), "engine_cpu_s": avg("engine_cpu_s"),
+           "cpu_s": avg("cpu_s"), "threads": ranks[0]["threads"],
+           "warmup_used": ranks[0]["warmup_used"], "per_rank": per_rank,
+           "hosts": sorted({r["host"] for r in ranks})}
+    if row["step_call_s"] is not None and row["update_s"] is not None:
+        row["exposed_sync_s"] = max(row["step_call_s"] - row["update_s"], 0.0)
+    r0 = ranks[0]
+    if "paths" in r0:
+        paths = dict(r0["paths"])
+        other = {k: v for k, v in paths.items() if k != "fused"}
+        row.update(paths=paths, path="+".join(sorted(other)) or "fused",
+                   codecs_used=r0.get("codecs"), compression_ratio=r0.get("compression_ratio"),
+                   bytes_sent_per_step=r0.get("bytes_sent_per_step"))
+    return row
+
+
+def annotate(rows: List[Dict[str, Any]]) -> None:
+    """Add ``x_floor`` and ``vs`` (ratio of images/s to each peer) to every measured row."""
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["framework"], r["model"], r["rate"]), []).append(r)
+    for (framework, _, _), grp in groups.items():
+        ips = {r["label"]: r.get("images_per_s") for r in grp if r.get("images_per_s")}
+        floor = ips.get(FLOOR[framework])
+        for r in grp:
+            if not r.get("images_per_s"):
+                continue
+            r["floor_images_per_s"] = floor
+            r["x_floor"] = r["images_per_s"] / floor if floor else None
+            r["vs"] = {p: r["images_per_s"] / ips[p] for p in PEERS[framework]
+                       if p in ips and p != r["label"]}
+            fl = next((x for x in grp if x["label"] == FLOOR[framework]
+                       and x.get("step_s")), None)
+            r["overhead_vs_floor_s"] = r["step_s"] - fl["step_s"] if fl else None
+
+
+def fmt(x: Optional[float], spec: str = ".3f", suffix: str = "") -> str:
+    """Format a number, or '-' for None."""
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def table(rows: List[Dict[str, Any]]) -> str:
+    """Return the Markdown table of every row, failed jobs included."""
+    present = {r["framework"] for r in rows}
+    peers = [t for fw in ("torch", "tf") if fw in present for t in PEERS[fw].items()]
+    head = (["model", "link", "system", "codec", "strategy", "path", "images/s", "x floor"]
+            + [t for _, t in peers]
+            + ["step s", "compute s", "step() s", "update s", "exposed sync s",
+               "over floor s", "engine CPU s/step", "CPU s/step", "load 1m", "threads", "rc"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        vs = r.get("vs", {})
+        model = r["model"] if r["framework"] == "torch" else f"{r['model']} (tf)"
+        cells = [model, r["rate"], r["label"], r["codec"], r.get("strategy") or "-",
+                 r.get("path", "-"), fmt(r.get("images_per_s"), ".2f"),
+                 fmt(r.get("x_floor"), ".2f")]
+        cells += [fmt(vs.get(p), ".2f", "x") for p, _ in peers]
+        cells += [fmt(r.get(k)) for k in ("step_s", "compute_s", "step_call_s", "update_s",
+                                          "exposed_sync_s", "overhead_vs_floor_s",
+                                          "engine_cpu_s", "cpu_s")]
+        cells += [fmt(r["load"][0], ".2f"), str(r.get("threads", "-")), str(r["rc"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def failures(rows: List[Dict[str, Any]]) -> str:
+    """Return the failed jobs with the tail of their output (Markdown)."""
+    out = []
+    for r in rows:
+        if r.get("images_per_s") is None:
+            out += [f"- {r['model']} {r['rate']} {r['label']}: exit {r['rc']}", "", "```",
+                    *r.get("log_tail", []), "```", ""]
+    return "\n".join(out)
+
+
+COLUMNS = """\
+Columns: images/s = world x batch / median step time of the slowest rank; x floor =
+images/s / the compute floor's (ddp-noop; tf-floor for TensorFlow); vs X = images/s / X's
+(>1: faster than X); step s = that median step; compute s = zero_grad + forward + backward
+(DDP's gradient sync runs inside backward, so DDP rows show it here); step() s = from
+backward's return to the end of the update (optimizer.step(); mpi-allreduce: flatten +
+Allreduce + copy back + update); update s = a plain SGD step on the same parameters;
+exposed sync s = step() - update; over floor s = step s - the floor's step s; engine CPU
+= CPU s per step of the threads named hipress*; CPU = process CPU s per step; load 1m =
+1-minute load average when the job started. Breakdown figures are means over ranks of
+per-rank medians (CPU: means)."""
+
+
+def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool) -> None:
+    """Write train_e2e.json, train_e2e.md and (unless ``plot`` is False) train_e2e.png."""
+    (out / "train_e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    threads = sorted({str(r.get("threads")) for r in rows if r.get("threads") is not None})
+    text = ["# End-to-end training throughput", "",
+            f"Run: `python bench/train_e2e.py {shlex.join(meta['argv'])}` at {meta['started']} "
+            f"({meta['mode']}); load average at start {meta['load_at_start']} on "
+            f"{meta['cpus']} CPUs; batch {meta['batch_size']} per rank, images "
+            f"{meta['image_size']}x{meta['image_size']}; torch threads: "
+            f"{meta['torch_threads_setting']} (get_num_threads in the workers: "
+            f"{', '.join(threads) or '-'}).", "", table(rows), "", COLUMNS, ""]
+    fail = failures(rows)
+    if fail:
+        text += ["## Failed jobs", "", fail]
+    (out / "train_e2e.md").write_text("\n".join(text) + "\n")
+    if plot:
+        try:
+            plot_rows(rows, out / "train_e2e.png")
+        except ImportError as exc:
+            print(f"!! no plot ({exc}); pip install matplotlib", flush=True)
+
+
+def plot_rows(rows: List[Dict[str, Any]], path: Path) -> None:
+    """Bar chart of images/s per system, one panel per framework/model/link rate.
+
+    The compute floor is drawn as a dashed line; failed jobs get an empty bar marked 'x'.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in rows:
+        panels.setdefault((r["framework"], r["model"], r["rate"]), []).append(r)
+    if not panels:
+        return
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(8, 0.55 * max(map(len, panels.values()))
+                                                          + 2), 4 * len(panels)), squeeze=False)
+    for ax, ((framework, model, rate), grp) in zip(axes[:, 0], panels.items()):
+        labels = [r["label"] for r in grp]
+        vals = [r.get("images_per_s") or 0.0 for r in grp]
+        colors = ["tab:gray" if r["label"] == FLOOR[framework] else
+                  "tab:orange" if "hipress" in r["label"] else "tab:blue" for r in grp]
+        bars = ax.bar(range(len(grp)), vals, color=colors)
+        for b, r in zip(bars, grp):
+            txt = "x" if r.get("images_per_s") is None else f"{r['images_per_s']:.1f}"
+            ax.annotate(txt, (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=7)
+        floor = next((r.get("images_per_s") for r in grp if r["label"] == FLOOR[framework]),
+                     None)
+        if floor:
+            ax.axhline(floor, ls="--", color="k", lw=1, label=f"compute floor {floor:.1f}")
+            ax.legend(loc="upper right", fontsize=8)
+        ax.set_xticks(range(len(grp)))
+        ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=8)
+        ax.set_ylabel("images/s (all ranks)")
+        ax.set_title(f"{model} ({framework}), {rate}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- driver
+def run_rate(args: argparse.Namespace, rate: str, jobs: List[Dict[str, Any]], out: Path,
+             hosts: Optional[str], master_host: str, env: Dict[str, str],
+             rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> None:
+    """Run every job at one link rate; append a row per job to ``rows``."""
+    jobdir = out / "jobs"
+    jobdir.mkdir(exist_ok=True)
+    n = args.hosts if hosts else (args.np or args.hosts)
+    for k, job in enumerate(jobs):
+        tag = f"{job['framework']}-{job['model']}-{job['label']}-{rate}"
+        prefix = jobdir / tag
+        for old in jobdir.glob(f"{tag}.rank*.json"):
+            old.unlink()
+        cmd = job_command(job, args, hosts, f"{master_host}:{29600 + k % 300}", prefix)
+        before = loadavg()
+        print(f"=== {tag}: load {before}", flush=True)
+        t0 = time.time()
+        rc, lines = run_job(cmd, env, args.job_timeout, out / "train_e2e.log")
+        row = {k2: job[k2] for k2 in ("framework", "model", "label", "system", "codec",
+                                      "strategy")}
+        row.update(rate=rate, load=before, load_after=loadavg(), rc=rc,
+                   wall_s=round(time.time() - t0, 1), command=cmd)
+        files = [Path(f"{prefix}.rank{r}.json") for r in range(n)]
+        if all(f.exists() for f in files):
+            try:
+                row.update(summarize(job, [json.loads(f.read_text()) for f in files]))
+            except (ValueError, KeyError, TypeError) as exc:
+                row["error"] = f"bad worker output: {exc!r}"
+        if row.get("images_per_s") is None:
+            row["log_tail"] = lines[-25:]
+            print(f"!! {tag} failed (exit {rc}); row recorded without figures", flush=True)
+        elif rc != 0:
+            print(f"!! {tag} exited {rc} after writing its results; figures kept", flush=True)
+        rows.append(row)
+        annotate(rows)
+        write(out, meta, rows, plot=False)  # partial results survive a later failure
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the benchmark; return 0 when every job produced figures, 1 otherwise."""
+    args = parse(argv)
+    jobs = plan_jobs(args)
+    if os.geteuid() == 0:
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.torch_threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+    threads = str(args.torch_threads) if args.torch_threads > 0 else "library default"
+    rates = ["local"] if args.local else csv(args.rates)
+    out = Path(args.out)
+    print(f"train_e2e: {len(jobs)} jobs per rate, rates {rates}, torch threads {threads}",
+          flush=True)
+    if args.dry_run:
+        for rate in rates:
+            hosts = None if args.local else ",".join(f"<host{i + 1}>:1" for i in range(args.hosts))
+            for k, job in enumerate(jobs):
+                master = "127.0.0.1" if args.local else "<host1>"
+                print(f"# {job['framework']} {job['model']} {job['label']} at {rate}")
+                tag = f"{job['framework']}-{job['model']}-{job['label']}-{rate}"
+                print(shlex.join(job_command(job, args, hosts, f"{master}:{29600 + k % 300}",
+                                             out / "jobs" / tag)))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "mode": "local" if args.local else f"emulated cluster, {args.hosts} hosts",
+            "cpus": os.cpu_count(), "load_at_start": loadavg(),
+            "batch_size": args.batch_size, "image_size": args.image_size,
+            "warmup": args.warmup, "iters": args.iters, "torch_threads_setting": threads,
+            "queue_ms": args.queue_ms, "hipress_env": {k: v for k, v in os.environ.items()
+                                                       if k.startswith("HIPRESS_")}}
+    with open(out / "train_e2e.log", "w") as fh:
+        fh.write(f"bench/train_e2e.py {shlex.join(meta['argv'])}  ({meta['started']})\n")
+    rows: List[Dict[str, Any]] = []
+    if args.local:
+        run_rate(args, "local", jobs, out, None, "127.0.0.1", dict(os.environ), rows, meta)
+    else:
+        from hipress.testing.emucluster import EmulatedCluster, namespaces_unavailable
+
+        reason = namespaces_unavailable()
+        if reason is not None:
+            print(f"cannot build the emulated cluster: {reason} (try --local)", file=sys.stderr)
+            return 2
+        for rate in rates:
+            with EmulatedCluster(args.hosts, rate=rate, queue_ms=args.queue_ms) as cluster:
+                print(f"=== {cluster!r}; load {loadavg()}", flush=True)
+                run_rate(args, rate, jobs, out, cluster.hosts_arg(), cluster.hosts[0],
+                         cluster.env(os.environ), rows, meta)
+    meta["load_at_end"] = loadavg()
+    write(out, meta, rows, plot=not args.no_plot)
+    print(table(rows))
+    print(f"wrote {out / 'train_e2e.json'}, {out / 'train_e2e.md'}, "
+          + ("" if args.no_plot else f"{out / 'train_e2e.png'}, ") + f"{out / 'train_e2e.log'}")
+    return 0 if all(r.get("images_per_s") is not None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
