@@ -5,7 +5,7 @@ Two measurements, each a median over ``--iters`` after ``--warmup``, slowest ran
 - ``--part step``: a plain PyTorch step (forward, backward, SGD update; no
   synchronization) against the same step with ``hipress.torch.DistributedOptimizer`` and
   each ``--codecs`` entry (``none`` = uncompressed). ms per step and the ratio to the plain
-  step measured in the same process, interleaved with it step by step (PyTorch rows).
+  step measured in the same process, interleaved with it step by step.
   With ``--tf`` / ``--mxnet`` the same for a Keras ``GradientTape`` step and a Gluon
   ``Trainer`` step.
 - ``--part core``: the core alone: ``hipress.allreduce_async`` of a model's gradient set
@@ -188,32 +188,21 @@ def torch_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
             opt.step()
         return step
 
-    plain = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-    plain_ms: List[float] = []
-    rows = []
-    for codec in _csv(args.codecs):
+    opts: List[Any] = []
+
+    def codec_step(codec: str) -> Callable[[], None]:
         net = copy.deepcopy(model)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        opt = hp.DistributedOptimizer(
+        opts.append(hp.DistributedOptimizer(
             opt, named_parameters=[(f"{codec}/{n}", p) for n, p in net.named_parameters()],
-            compression=codec, **PARAMS.get(codec, {}))
-        steps = [plain, make_step(net, opt)]
-        times: List[List[float]] = [[], []]
-        for i in range(args.warmup + args.iters):
-            for k, fn in enumerate(steps):
-                _barrier()
-                t0 = time.perf_counter()
-                fn()
-                if i >= args.warmup:
-                    times[k].append(1000.0 * (time.perf_counter() - t0))
+            compression=codec, **PARAMS.get(codec, {})))
+        return make_step(net, opts[-1])
+
+    plain = make_step(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    rows = _interleaved("torch", plain, codec_step, args)
+    for opt in opts:
         opt.remove_hooks()
-        hipress.reset_state(f"{codec}/")
-        plain_ms += times[0]
-        rows.append({"part": "step", "framework": "torch", "codec": codec,
-                     "ms": _slowest(float(np.median(times[1]))),
-                     "plain_ms": _slowest(float(np.median(times[0])))})
-    rows.insert(0, {"part": "step", "framework": "torch", "codec": "plain",
-                    "ms": _slowest(float(np.median(plain_ms)))})
+    hipress.reset_state()
     return rows
 
 
@@ -247,11 +236,31 @@ def tf_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
             opt.apply_gradients(zip(grads, model.trainable_variables))
         return step
 
-    rows = [{"part": "step", "framework": "tensorflow", "codec": "plain",
-             "ms": _slowest(_median_ms(make_step(None), args.iters, args.warmup, _barrier))}]
+    return _interleaved("tensorflow", make_step(None), make_step, args)
+
+
+def _interleaved(framework: str, plain: Callable[[], None],
+                 make_step: Callable[[str], Callable[[], None]],
+                 args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Time ``plain`` and each codec's step alternately; return the rows (plain first)."""
+    plain_ms: List[float] = []
+    rows = []
     for codec in _csv(args.codecs):
-        ms = _slowest(_median_ms(make_step(codec), args.iters, args.warmup, _barrier))
-        rows.append({"part": "step", "framework": "tensorflow", "codec": codec, "ms": ms})
+        steps = [plain, make_step(codec)]
+        times: List[List[float]] = [[], []]
+        for i in range(args.warmup + args.iters):
+            for k, fn in enumerate(steps):
+                _barrier()
+                t0 = time.perf_counter()
+                fn()
+                if i >= args.warmup:
+                    times[k].append(1000.0 * (time.perf_counter() - t0))
+        plain_ms += times[0]
+        rows.append({"part": "step", "framework": framework, "codec": codec,
+                     "ms": _slowest(float(np.median(times[1]))),
+                     "plain_ms": _slowest(float(np.median(times[0])))})
+    rows.insert(0, {"part": "step", "framework": framework, "codec": "plain",
+                    "ms": _slowest(float(np.median(plain_ms)))})
     return rows
 
 
@@ -263,7 +272,8 @@ def mxnet_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
     import hipress
     import hipress.mxnet as hp
 
-    net = gluon.model_zoo.vision.get_model(args.model, classes=1000)
+    zoo = {"resnet50": "resnet50_v1", "vgg19": "vgg19"}  # Gluon's names
+    net = gluon.model_zoo.vision.get_model(zoo.get(args.model, args.model), classes=1000)
     net.initialize(mx.init.Xavier())
     rng = np.random.default_rng(hipress.rank())
     x = mx.nd.array(rng.standard_normal((args.batch_size, 3, args.image_size, args.image_size)))
@@ -280,16 +290,13 @@ def mxnet_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
             mx.nd.waitall()
         return step
 
+    def codec_step(codec: str) -> Callable[[], None]:
+        return make_step(hp.DistributedTrainer(net.collect_params(), "sgd",
+                                               {"learning_rate": 0.01, "momentum": 0.9},
+                                               compression=codec, **PARAMS.get(codec, {})))
+
     plain = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9})
-    rows = [{"part": "step", "framework": "mxnet", "codec": "plain",
-             "ms": _slowest(_median_ms(make_step(plain), args.iters, args.warmup, _barrier))}]
-    for codec in _csv(args.codecs):
-        trainer = hp.DistributedTrainer(net.collect_params(), "sgd",
-                                        {"learning_rate": 0.01, "momentum": 0.9},
-                                        compression=codec, **PARAMS.get(codec, {}))
-        ms = _slowest(_median_ms(make_step(trainer), args.iters, args.warmup, _barrier))
-        rows.append({"part": "step", "framework": "mxnet", "codec": codec, "ms": ms})
-    return rows
+    return _interleaved("mxnet", make_step(plain), codec_step, args)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -147,6 +147,16 @@ class DistributedTrainer(mx.gluon.Trainer):
                 "backward_passes_per_step > 1 accumulates gradients itself; parameters with "
                 "grad_req='add' would be counted twice. Use one of the two"
             )
+        if self._hp_k == 1 and hipress.size() == 1:
+            # nothing travels at world size 1: keep the gradients in place, zero-filling
+            # the ones this pass did not compute (as the engine would)
+            for p in params:
+                data = p.list_data()[0]
+                if not data._fresh_grad:
+                    p.list_grad()[0][:] = 0
+                    data._fresh_grad = True
+            self._hp_state = "apply"
+            return
         names = tuple(p.name for p in params)
         acc = self._hp_accumulators.get(names)
         if acc is None:
