@@ -292,81 +292,63 @@ def _build_kernels() -> types.SimpleNamespace:
         return np.float64(z >> sh40) if (i & 1) == 0 else np.float64((z >> sh8) & low24)
 
     # --------------------------------------------------------------- onebit / sign
-    @njit
+    @inline
+    def _load_plain(x, e, i):
+        return np.float64(x[i])
+
+    @inline
+    def _load_compensated(x, e, i):
+        return np.float64(e.dtype.type(x[i]) + e[i])
+
+    def _sign_encoder(load):
+        @njit
+        def encode(x, e, bits):
+            n = x.size
+            acc = np.zeros((2, 16), np.float64)
+            cnt = np.zeros(16, np.int64)
+            nblk = n // 16
+            for i in range(nblk):
+                k = 16 * i
+                b = 0
+                for j in range(16):
+                    v = load(x, e, k + j)
+                    ng = v < 0.0
+                    b |= np.int64(ng) << (15 - j)
+                    acc[0, j] += 0.0 if ng else v
+                    acc[1, j] += v if ng else 0.0
+                    cnt[j] += np.int64(ng)
+                bits[2 * i] = b >> 8
+                bits[2 * i + 1] = b & 255
+            k = 16 * nblk
+            b = 0
+            for j in range(n - k):
+                v = load(x, e, k + j)
+                ng = v < 0.0
+                b |= np.int64(ng) << (15 - j)
+                acc[0, j] += 0.0 if ng else v
+                acc[1, j] += v if ng else 0.0
+                cnt[j] += np.int64(ng)
+            if n > k:
+                bits[2 * nblk] = b >> 8
+                if n - k > 8:
+                    bits[2 * nblk + 1] = b & 255
+            return acc, cnt.sum()
+        return encode
+
+    _encode_plain = _sign_encoder(_load_plain)
+
     def onebit_encode(x, bits):
         """Pack sign bits (1 = negative); return (lane sums (2, 16), negatives count).
 
         Row 0 of the sums holds the non-negative elements, row 1 the negative ones, lane
         j the elements with i % 16 == j, each added in increasing i from +0.0.
         """
-        n = x.size
-        acc = np.zeros((2, 16), np.float64)
-        cnt = np.zeros(16, np.int64)
-        nblk = n // 16
-        for i in range(nblk):
-            k = 16 * i
-            b = 0
-            for j in range(16):
-                v = np.float64(x[k + j])
-                ng = v < 0.0
-                b |= np.int64(ng) << (15 - j)
-                acc[0, j] += 0.0 if ng else v
-                acc[1, j] += v if ng else 0.0
-                cnt[j] += np.int64(ng)
-            bits[2 * i] = b >> 8
-            bits[2 * i + 1] = b & 255
-        k = 16 * nblk
-        b = 0
-        for j in range(n - k):
-            v = np.float64(x[k + j])
-            ng = v < 0.0
-            b |= np.int64(ng) << (15 - j)
-            acc[0, j] += 0.0 if ng else v
-            acc[1, j] += v if ng else 0.0
-            cnt[j] += np.int64(ng)
-        if n > k:
-            bits[2 * nblk] = b >> 8
-            if n - k > 8:
-                bits[2 * nblk + 1] = b & 255
-        return acc, cnt.sum()
+        return _encode_plain(x, x, bits)
 
-    @njit
-    def onebit_encode_ef(x, e, bits):
-        """:func:`onebit_encode` of c = x + e (rounded to e's dtype), e left unchanged.
-
-        The first pass of error-feedback onebit: the compensated gradient is never
-        stored; :func:`onebit_residual` recomputes it when writing the new residual.
-        """
-        n = x.size
-        acc = np.zeros((2, 16), np.float64)
-        cnt = np.zeros(16, np.int64)
-        nblk = n // 16
-        for i in range(nblk):
-            k = 16 * i
-            b = 0
-            for j in range(16):
-                v = np.float64(e.dtype.type(x[k + j]) + e[k + j])
-                ng = v < 0.0
-                b |= np.int64(ng) << (15 - j)
-                acc[0, j] += 0.0 if ng else v
-                acc[1, j] += v if ng else 0.0
-                cnt[j] += np.int64(ng)
-            bits[2 * i] = b >> 8
-            bits[2 * i + 1] = b & 255
-        k = 16 * nblk
-        b = 0
-        for j in range(n - k):
-            v = np.float64(e.dtype.type(x[k + j]) + e[k + j])
-            ng = v < 0.0
-            b |= np.int64(ng) << (15 - j)
-            acc[0, j] += 0.0 if ng else v
-            acc[1, j] += v if ng else 0.0
-            cnt[j] += np.int64(ng)
-        if n > k:
-            bits[2 * nblk] = b >> 8
-            if n - k > 8:
-                bits[2 * nblk + 1] = b & 255
-        return acc, cnt.sum()
+    #: :func:`onebit_encode` of c = x + e (rounded to e's dtype), e left unchanged: the
+    #: first pass of error-feedback onebit; the compensated gradient is never stored,
+    #: :func:`onebit_residual` recomputes it when writing the new residual.
+    onebit_encode_ef = _sign_encoder(_load_compensated)
 
     @njit
     def onebit_residual(x, e, bits, v0, v1):
@@ -386,37 +368,35 @@ def _build_kernels() -> types.SimpleNamespace:
                 c = e.dtype.type(x[k + j]) + e[k + j]
                 e[k + j] = c - (v1 if (b >> (7 - j)) & 1 else v0)
 
-    @njit
-    def decode_1bit_add(bits, v0, v1, acc):
-        """acc[i] += v1 if bit i is set else v0 (bits MSB first)."""
-        n = acc.size
-        nfull = n // 8
-        for i in range(nfull):
-            b = bits[i]
-            k = 8 * i
-            for j in range(8):
-                acc[k + j] += v1 if (b >> (7 - j)) & 1 else v0
-        k = 8 * nfull
-        if n > k:
-            b = bits[nfull]
-            for j in range(n - k):
-                acc[k + j] += v1 if (b >> (7 - j)) & 1 else v0
+    @inline
+    def _assign(out, i, v):
+        out[i] = v
 
-    @njit
-    def decode_1bit(bits, v0, v1, out):
-        """Write out[i] = v1 if bit i is set else v0 (bits MSB first)."""
-        n = out.size
-        nfull = n // 8
-        for i in range(nfull):
-            b = bits[i]
-            k = 8 * i
-            for j in range(8):
-                out[k + j] = v1 if (b >> (7 - j)) & 1 else v0
-        k = 8 * nfull
-        if n > k:
-            b = bits[nfull]
-            for j in range(n - k):
-                out[k + j] = v1 if (b >> (7 - j)) & 1 else v0
+    @inline
+    def _add(out, i, v):
+        out[i] += v
+
+    def _bit_decoder(store):
+        @njit
+        def decode(bits, v0, v1, out):
+            n = out.size
+            nfull = n // 8
+            for i in range(nfull):
+                b = bits[i]
+                k = 8 * i
+                for j in range(8):
+                    store(out, k + j, v1 if (b >> (7 - j)) & 1 else v0)
+            k = 8 * nfull
+            if n > k:
+                b = bits[nfull]
+                for j in range(n - k):
+                    store(out, k + j, v1 if (b >> (7 - j)) & 1 else v0)
+        return decode
+
+    #: out[i] = v1 if bit i is set else v0 (bits MSB first)
+    decode_1bit = _bit_decoder(_assign)
+    #: acc[i] += v1 if bit i is set else v0 (bits MSB first)
+    decode_1bit_add = _bit_decoder(_add)
 
     # --------------------------------------------------------------- 2-bit codes
     @njit
