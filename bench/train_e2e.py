@@ -474,7 +474,9 @@ def run_rate(args: argparse.Namespace, rate: str, jobs: List[Dict[str, Any]], ou
             except (ValueError, KeyError, TypeError) as exc:
                 row["error"] = f"bad worker output: {exc!r}"
         if row.get("images_per_s") is None:
-            row["log_tail"] = lines[-25:]
+            # printable text only: a rank killed mid-write leaves NUL bytes in the stream
+            row["log_tail"] = ["".join(c for c in ln if c.isprintable() or c == "\t")
+                               for ln in lines[-25:]]
             print(f"!! {tag} failed (exit {rc}); row recorded without figures", flush=True)
         elif rc != 0:
             print(f"!! {tag} exited {rc} after writing its results; figures kept", flush=True)

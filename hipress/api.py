@@ -271,8 +271,11 @@ def reset_state(prefix: str = "") -> int:
 def stats() -> Dict[str, Dict[str, Any]]:
     """Return per-gradient statistics on this rank.
 
-    Keys per gradient: numel, codec, strategy (path taken), calls, bytes_sent (bytes this
-    rank put on the wire), payload_bytes, raw_bytes, compression_ratio.
+    Keys per gradient: numel, codec, strategy (path taken: ps, ring, gather, allreduce
+    (compressed allreduce), fused (small uncompressed gradients in a fused buffer), direct
+    (uncompressed, reduced in place from the gradient's memory), broadcast, or local at
+    world size 1), calls, bytes_sent (bytes this rank put on the wire), payload_bytes,
+    raw_bytes, compression_ratio.
     """
     return _engine().stats()
 

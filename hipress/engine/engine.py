@@ -568,6 +568,8 @@ class Engine:
         for sub in subs:
             path = self._path(sub)
             job = self._job(sub, path)
+            if path == "fused" and self._direct(job):
+                path = "direct"
             st = self.stats_table.setdefault(sub.name, {})
             st["calls"] = st.get("calls", 0) + 1
             st["numel"] = int(sub.array.size)
@@ -576,7 +578,7 @@ class Engine:
             if path == "broadcast":
                 self._sched.add(T.broadcast_task(self.env, job, sub.root, self._next_tag()),
                                 sub.name)
-            elif path == "fused" and self._direct(job):
+            elif path == "direct":
                 n = job.flat.size
                 parts = max(1, min(n, math.ceil(job.flat.nbytes / _DIRECT_PARTITION_BYTES)))
                 bounds = T._bounds(n, parts)
