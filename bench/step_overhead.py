@@ -41,16 +41,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples" / "torch"))
 
-#: Codec parameters of the rows (the paper's settings; see bench/sync.py).
-PARAMS: Dict[str, Dict[str, Any]] = {
-    "onebit": {},
-    "tbq": {"threshold": 0.02},
-    "terngrad": {},
-    "dgc": {"ratio": 0.001},
-    "graddrop": {"drop_ratio": 0.99},
-    "powersgd": {"rank": 1},
-    "fp16": {},
-}
+from sync import DEFAULT_PARAMS as PARAMS  # noqa: E402  (codec settings of bench/sync.py)
+
 CODECS = "none,onebit,tbq,terngrad,dgc,powersgd"
 
 
