@@ -60,6 +60,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -331,34 +332,60 @@ def mpirun_path() -> str:
     return str(local) if local.exists() else "mpirun"
 
 
-def run_job(cmd: List[str], env: Dict[str, str], timeout: float, log: Path) -> int:
-    """Run a launcher command, tee its output to ``log``, kill it (all ranks) on timeout."""
+def run_job(cmd: List[str], env: Dict[str, str], timeout: float, log: Path) -> tuple:
+    """Run a job, tee its output to stdout and ``log``; kill its process group on timeout.
+
+    Returns:
+        (exit status, 124 on timeout; the job's output lines).
+    """
     print("$ " + shlex.join(cmd), flush=True)
+    lines: List[str] = []
+    timed_out = threading.Event()
     with open(log, "a") as fh:
         fh.write("$ " + shlex.join(cmd) + "\n")
+        fh.flush()
         proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = time.monotonic() + timeout
+
+        def kill(sig: int = signal.SIGTERM) -> None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+        def expire() -> None:  # fires even when the job prints nothing
+            timed_out.set()
+            kill(signal.SIGTERM)
+            time.sleep(10)
+            if proc.poll() is None:
+                kill(signal.SIGKILL)
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
                 fh.write(line)
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-            return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"!! job ran past {timeout:.0f} s; killed", flush=True)
-            return 124
+                lines.append(line.rstrip("\n"))
+            rc = proc.wait()
+        except BaseException:
+            kill(signal.SIGKILL)
+            raise
         finally:
+            timer.cancel()
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(timeout=10)
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                kill(signal.SIGKILL)
+                proc.wait()
+        if timed_out.is_set():
+            msg = f"!! job ran past {timeout:.0f} s; killed"
+            print(msg, flush=True)
+            fh.write(msg + "\n")
+            lines.append(msg)
+            rc = 124
+    return rc, lines
 
 
 def loadavg() -> List[float]:
@@ -419,7 +446,7 @@ def run_sync(cluster: Any, args: argparse.Namespace, rate: str, out: Path,
             cmd += ["--timeline", str(stem.with_name(f"{stem.stem}-{tag}{stem.suffix}"))]
         before = loadavg()
         t0 = time.time()
-        rc = run_job(cmd, cluster.env(os.environ), args.job_timeout, out / "cluster.log")
+        rc, _ = run_job(cmd, cluster.env(os.environ), args.job_timeout, out / "cluster.log")
         meta = {"rate": rate, "load_before": before, "load_after": loadavg(),
                 "wall_s": round(time.time() - t0, 1), "rc": rc, "plan": plan}
         if rc != 0 or not js.exists():
@@ -450,7 +477,7 @@ def run_ddp(cluster: Any, args: argparse.Namespace, rate: str, out: Path) -> Lis
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     before = loadavg()
     t0 = time.time()
-    rc = run_job(cmd, env, args.job_timeout, out / "cluster.log")
+    rc, _ = run_job(cmd, env, args.job_timeout, out / "cluster.log")
     meta = {"rate": rate, "load_before": before, "load_after": loadavg(),
             "wall_s": round(time.time() - t0, 1), "rc": rc}
     if rc != 0 and js.exists():
@@ -497,7 +524,7 @@ def run_training(cluster: Any, args: argparse.Namespace, rate: str, out: Path) -
         log = out / f"training-{rate}-{strategy}.log"
         log.unlink(missing_ok=True)
         before = loadavg()
-        rc = run_job(cmd, cluster.env(os.environ), args.job_timeout, log)
+        rc, _ = run_job(cmd, cluster.env(os.environ), args.job_timeout, log)
         found = dict(_IMG_RE.findall(log.read_text())) if log.exists() else {}
         for codec in todo:
             ips = found.get(codec)

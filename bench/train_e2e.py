@@ -43,16 +43,16 @@ import datetime
 import json
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from cluster import HOROVOD_RING, loadavg, mpirun_path, run_job  # noqa: E402
+
 WORKER = ROOT / "bench" / "train_e2e_worker.py"
 DDP_HOOKS = ("noop", "allreduce", "fp16", "powersgd1")
 DEFAULT_BASELINES = "ddp-noop,ddp-allreduce,ddp-fp16,ddp-powersgd1,mpi-allreduce,hipress-none"
@@ -61,10 +61,6 @@ PEERS = {"torch": {"ddp-allreduce": "vs DDP allreduce", "ddp-fp16": "vs DDP fp16
                    "ddp-powersgd1": "vs DDP PowerSGD", "mpi-allreduce": "vs mpi-allreduce"},
          "tf": {"tf-hipress-none": "vs HiPress none"}}
 FLOOR = {"torch": "ddp-noop", "tf": "tf-floor"}
-#: Open MPI options for a ring allreduce (bench/cluster.py: its default algorithm for 4
-#: ranks measured 1.6x slower than ring on the emulated 1 Gbit/s cluster)
-OMPI_RING = ("--mca", "coll_tuned_use_dynamic_rules", "1",
-             "--mca", "coll_tuned_allreduce_algorithm", "4")
 
 
 def csv(text: str) -> List[str]:
@@ -164,12 +160,6 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     return jobs
 
 
-def mpirun_path() -> str:
-    """Return the virtual environment's ``mpirun`` if there is one, else ``mpirun``."""
-    local = Path(sys.executable).parent / "mpirun"
-    return str(local) if local.exists() else "mpirun"
-
-
 def job_command(job: Dict[str, Any], args: argparse.Namespace, hosts: Optional[str],
                 master: str, prefix: Path) -> List[str]:
     """Return the ``mpirun`` command line of one job.
@@ -189,72 +179,11 @@ def job_command(job: Dict[str, Any], args: argparse.Namespace, hosts: Optional[s
     if args.torch_threads > 0:
         cmd += ["-x", "OMP_NUM_THREADS"]
     if job["system"] == "mpi-allreduce" and args.ompi_ring:
-        cmd += list(OMPI_RING)
+        cmd += list(HOROVOD_RING)
     worker = list(job["worker"])
     if job["system"] == "ddp":
         worker += ["--master", master]
     return cmd + [sys.executable, str(WORKER), *worker, "--json", str(prefix)]
-
-
-def run_job(cmd: List[str], env: Dict[str, str], timeout: float, log: Path) -> tuple:
-    """Run a job, tee its output to stdout and ``log``; kill its process group on timeout.
-
-    Returns:
-        (exit status, 124 on timeout; the job's output lines).
-    """
-    print("$ " + shlex.join(cmd), flush=True)
-    lines: List[str] = []
-    timed_out = threading.Event()
-    with open(log, "a") as fh:
-        fh.write("$ " + shlex.join(cmd) + "\n")
-        fh.flush()
-        proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-        def kill(sig: int = signal.SIGTERM) -> None:
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-        def expire() -> None:  # fires even when the job prints nothing
-            timed_out.set()
-            kill(signal.SIGTERM)
-            time.sleep(10)
-            if proc.poll() is None:
-                kill(signal.SIGKILL)
-
-        timer = threading.Timer(timeout, expire)
-        timer.daemon = True
-        timer.start()
-        try:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                fh.write(line)
-                lines.append(line.rstrip("\n"))
-            rc = proc.wait()
-        except BaseException:
-            kill(signal.SIGKILL)
-            raise
-        finally:
-            timer.cancel()
-            if proc.poll() is None:
-                kill(signal.SIGKILL)
-                proc.wait()
-        if timed_out.is_set():
-            msg = f"!! job ran past {timeout:.0f} s; killed"
-            print(msg, flush=True)
-            fh.write(msg + "\n")
-            lines.append(msg)
-            rc = 124
-    return rc, lines
-
-
-def loadavg() -> List[float]:
-    """Return the 1, 5 and 15 minute load averages, rounded."""
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # ----------------------------------------------------------------------------- rows
