@@ -11,7 +11,8 @@ random images and labels drawn from a per-rank seeded generator, with
   ``powersgd1``: PowerSGD rank 1 with a single bucket, see bench/README.md);
 - ``mpi-allreduce``: after backward, all gradients flattened into one buffer, one
   ``MPI.Allreduce`` (mpi4py), averaged and copied back (Horovod-style, one fused bucket);
-- ``hipress``: ``hipress.torch.DistributedOptimizer(compression=--codec)`` under
+- ``hipress``: ``hipress.torch.DistributedOptimizer`` with ``compression.algorithm=--codec``
+  (the job's policy, so ``min_compress_bytes`` keeps tiny tensors uncompressed) under
   ``sync.strategy = --strategy``;
 - ``tf-floor`` / ``tf-hipress``: Keras ``ResNet50`` trained with ``model.fit``, alone on
   each rank (the TensorFlow compute floor) or with ``hipress.tensorflow.DistributedOptimizer``.
@@ -229,9 +230,10 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
         import hipress
         import hipress.torch as hp
 
-        hp.init(**{"sync.strategy": args.strategy})
-        opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                      compression=args.codec)
+        # the codec as the job's policy, so compression.min_compress_bytes applies (an
+        # explicit compression= would compress every tensor, batch-norm vectors included)
+        hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": args.codec})
+        opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hp.broadcast_parameters(model.state_dict(), root_rank=0)
         step = opt.step
 
@@ -292,8 +294,8 @@ def run_tf(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]:
     if args.system == "tf-hipress":
         import hipress.tensorflow as hp
 
-        hp.init(**{"sync.strategy": args.strategy})
-        opt = hp.DistributedOptimizer(opt, compression=args.codec)
+        hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": args.codec})
+        opt = hp.DistributedOptimizer(opt)
         hp.broadcast_variables(model.variables, root_rank=0)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)
     clock = StepClock()

@@ -28,9 +28,10 @@ from hipress.api import (  # noqa: E402
     step,
     synchronize,
 )
-from hipress.engine import Handle  # noqa: E402
+from hipress.engine import POLICY, Handle  # noqa: E402
 
 __all__ = [
+    "POLICY",
     "Handle",
     "allreduce",
     "allreduce_async",

@@ -103,33 +103,42 @@ def default_gradient_name(group_index: int, param_index: int) -> str:
     return f"param.{group_index}.{param_index}"
 
 
-def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None) -> Any:
+def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None,
+                  gradients: bool = False) -> Any:
     """Turn an adapter's ``compression`` argument into the engine's ``codec`` argument.
 
     Args:
-        compression: None (follow the configured policy: ``compression.algorithm``,
-            per-layer rules, ``min_compress_bytes``, warm-up), a registered codec name
-            (``"onebit"``, ``"none"`` for uncompressed, ...), a CompLL spec path ending
-            in ``.hpc``, or a :class:`hipress.codecs.Codec` instance.
+        compression: None: for ``gradients`` the job's compression policy
+            (``compression.algorithm``, per-layer rules, ``min_compress_bytes``, warm-up),
+            otherwise no codec (an exact collective). ``"auto"``: the policy in either
+            case. A registered codec name (``"onebit"``, ``"none"`` for uncompressed,
+            ...), a CompLL spec path ending in ``.hpc``, or a
+            :class:`hipress.codecs.Codec` instance: that codec for every tensor, whatever
+            its size and the step.
         params: codec constructor parameters (only with a name).
+        gradients: True for optimizer wrappers, DDP hooks and trainers, False for the
+            collectives users call directly (``allreduce`` of metrics must be exact).
 
     Returns:
-        None, the name (when there are no params), or a Codec instance.
+        None (exact), :data:`hipress.POLICY`, the name (when there are no params), or a
+        Codec instance.
 
     Raises:
+        ValueError: ``params`` without a codec name.
         CodecError: unknown codec name (valid names are listed) or bad parameters.
         TypeError: ``compression`` is of an unsupported type.
     """
     from hipress.codecs import Codec, codec_class, get_codec
+    from hipress.engine import POLICY
 
     params = dict(params or {})
-    if compression is None:
+    if compression is None or compression == POLICY:
         if params:
             raise ValueError(
                 f"codec parameters {sorted(params)} given without a compression name; "
                 "pass compression='<codec>' too, or put them in the config's compression.params"
             )
-        return None
+        return POLICY if gradients or compression == POLICY else None
     if isinstance(compression, Codec):
         return get_codec(compression, **params)
     if isinstance(compression, str):
@@ -140,7 +149,8 @@ def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None) 
         codec_class(compression)  # validates early; lists the valid names
         return get_codec(compression, **params) if params else compression
     raise TypeError(
-        f"compression must be None, a codec name or a Codec instance, got {type(compression)}"
+        "compression must be None, 'auto', a codec name or a Codec instance, got "
+        f"{type(compression)}"
     )
 
 

@@ -2,8 +2,9 @@
 
 >>> import hipress as hp
 >>> hp.init()                                   # config from HIPRESS_CONFIG, or defaults
->>> g = hp.allreduce(np.ones(4, np.float32), name="fc.weight")   # average over ranks
->>> h = hp.allreduce_async(grad, name="conv1.weight", codec="onebit")
+>>> g = hp.allreduce(np.ones(4, np.float32), name="loss")       # exact average over ranks
+>>> h = hp.allreduce_async(grad, name="conv1.weight", codec="onebit")   # compressed
+>>> h = hp.allreduce_async(grad, name="fc.weight", codec="auto")    # the config's policy
 >>> g = hp.synchronize(h)
 
 Arrays are NumPy (CPU) or CuPy (GPU). CuPy arrays are staged through host memory for
@@ -18,7 +19,7 @@ import os
 import pickle
 import sys
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -31,6 +32,7 @@ logger = logging.getLogger("hipress")
 _ENGINE: Optional[Engine] = None
 _LOCK = threading.Lock()
 _COUNTERS: Dict[str, int] = {}
+_PENDING_NOTES: List[Tuple[str, Any]] = []
 
 
 def init(config: Any = None, **overrides: Any) -> None:
@@ -64,11 +66,13 @@ def init(config: Any = None, **overrides: Any) -> None:
         _tune_malloc()
         world = comm.world()
         _ENGINE = Engine(cfg, world)
+        for source, codec in _PENDING_NOTES:
+            _ENGINE.note_compression(source, codec)
         if world.rank == 0:
             from hipress.config import dump_effective
 
-            logger.info("HiPress started: %d rank(s); effective config:\n%s", world.size,
-                        dump_effective(cfg))
+            # the one-line INFO summary follows at the first gradient (see Engine._announce)
+            logger.debug("%s", dump_effective(cfg))
         atexit.register(shutdown)
 
 
@@ -156,8 +160,15 @@ def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = Non
         name: stable name of the gradient, identical on every rank (ranks agree by name,
             not by submission order); unique among outstanding operations.
         op: "average" or "sum".
-        codec: None (the config's policy: algorithm, per-layer rules, min_compress_bytes,
-            warm-up), a codec name (:func:`hipress.codecs.codec_names`) or instance.
+        codec: None (default): no codec, the result is exact (the uncompressed average
+            or sum), as for metrics, losses and counts. ``"auto"``: the job's compression
+            policy (``compression.algorithm``, per-layer ``rules``, ``min_compress_bytes``,
+            ``warmup_steps``), which is what the optimizer wrappers, DDP hooks and trainers
+            submit. A codec name (:func:`hipress.codecs.codec_names`) or instance: that
+            codec for this array, whatever its size and the step (the name of
+            ``compression.algorithm`` takes ``compression.params``). A gradient holding
+            inf/NaN on any rank is summed uncompressed that step, so every rank receives
+            it non-finite and its residual stays as it was.
         strategy: None (chosen from the codec's capabilities and ``sync.strategy``),
             "ps", "ring", "allreduce" (compressed allreduce of a summable codec) or
             "gather".
@@ -278,6 +289,20 @@ def stats() -> Dict[str, Dict[str, Any]]:
     raw_bytes, compression_ratio.
     """
     return _engine().stats()
+
+
+def note_compression(source: str, codec: Any) -> None:
+    """Record compression set in code for the startup config line (adapters call it).
+
+    Args:
+        source: the API that set it, e.g. ``"DistributedOptimizer"``.
+        codec: the engine ``codec`` argument that source uses (None/``"auto"``: the
+            config's policy, nothing recorded).
+    """
+    if _ENGINE is not None:
+        _ENGINE.note_compression(source, codec)
+    else:  # e.g. a hook made before init(): recorded when the engine starts
+        _PENDING_NOTES.append((source, codec))
 
 
 def env_rank() -> int:

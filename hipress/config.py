@@ -647,6 +647,47 @@ def _apply_layer(
         sources[key] = source
 
 
+def _human_bytes(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << (shift - 10)) == 0:
+            return f"{n / (1 << shift):g} {unit}"
+    return f"{n} B"
+
+
+def summarize_effective(cfg: HiPressConfig, size: int, local_size: int,
+                        code: Optional[Mapping[str, str]] = None) -> str:
+    """Return the effective config as one line, logged at INFO by rank 0 once per job.
+
+    Args:
+        cfg: the effective config (file, environment and ``init`` overrides merged).
+        size: the world size the job really runs with (not ``cluster.np``).
+        local_size: ranks on rank 0's host.
+        code: compression set in code, source -> codec (e.g.
+            ``{"DistributedOptimizer": "dgc"}``); it overrides the policy for the
+            gradients of that source.
+
+    Example:
+        ``HiPress: 2 ranks (2 on this host) | gradients: dgc (DistributedOptimizer) |
+        policy: onebit, min 64 KiB, warm-up 0, memory auto, rules none | sync: auto,
+        partitions 4 MiB, fusion 64 MiB, cycle 1 ms, stall 60 s, plan none | timeline off``
+    """
+    comp, sync = cfg.compression, cfg.sync
+    algo = comp.algorithm + (f"{comp.params}" if comp.params else "")
+    rules = ", ".join(f"{r.pattern}->{r.algorithm}" for r in comp.rules) or "none"
+    parts = [f"HiPress: {size} rank{'s' if size != 1 else ''} ({local_size} on this host)"]
+    if code:
+        parts.append("gradients: " + ", ".join(f"{c} ({src})" for src, c in code.items()))
+    parts.append(f"policy: {algo}, min {_human_bytes(comp.min_compress_bytes)}, warm-up "
+                 f"{comp.warmup_steps}, memory {comp.memory}, rules {rules}")
+    split = (f"{sync.partitions} partitions" if sync.partitions
+             else f"partitions {_human_bytes(sync.partition_bytes)}")
+    parts.append(f"sync: {sync.strategy}, {split}, fusion "
+                 f"{_human_bytes(sync.fusion_threshold_bytes)}, cycle {sync.cycle_time_ms:g} ms, "
+                 f"stall {sync.stall_timeout_s:g} s, plan {sync.plan}")
+    parts.append(f"timeline {cfg.timeline or 'off'}")
+    return " | ".join(parts)
+
+
 def dump_effective(cfg: HiPressConfig) -> str:
     """Return the effective config as indented YAML text, to be logged once (by rank 0).
 

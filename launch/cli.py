@@ -15,7 +15,10 @@ Inside a Slurm allocation with no host source the allocation's nodes and tasks a
 
 Workers receive ``HIPRESS_CONFIG`` (absolute path of ``--config``), ``HIPRESS_TIMELINE``
 (absolute path of ``--timeline``) and the forwarded variables; the engine reads its own
-settings from them (see :mod:`hipress.config`).
+settings from them (see :mod:`hipress.config`). They also receive torch.distributed's
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT``, so ``init_process_group("gloo")`` with the default ``env://`` works as
+under ``torchrun``.
 
 Exit status: 0 on success; 2 for usage and configuration errors (nothing launched); the
 failed rank's status when the job fails; 128 + N when stopped by signal N.
@@ -27,12 +30,19 @@ import argparse
 import logging
 import os
 import shlex
+import socket
 import sys
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from hipress.config import HiPressConfig, load_config
 from hipress.errors import ConfigError
-from hipress.launch.hosts import parse_hostfile, parse_hosts, slurm_allocation
+from hipress.launch.hosts import (
+    Host,
+    is_local_host,
+    parse_hostfile,
+    parse_hosts,
+    slurm_allocation,
+)
 from hipress.launch.runner import LaunchSpec, detect_mpi, env_assignments
 
 __all__ = ["build_parser", "main", "parse_env_args", "resolve_spec"]
@@ -111,7 +121,11 @@ def resolve_spec(
     else ``cluster.np`` when the file sets it, else the Slurm task count; 3. hosts:
     ``-H``/``--hostfile``, else ``cluster.hosts``/``cluster.hostfile``, else the Slurm
     allocation, else localhost; 4. interface and ssh port: the line's, else the YAML's;
-    5. env: ``cluster.env`` then ``-x`` then ``HIPRESS_CONFIG``/``HIPRESS_TIMELINE``.
+    5. env: ``cluster.env`` then ``-x`` then ``HIPRESS_CONFIG``/``HIPRESS_TIMELINE``;
+    6. torch.distributed's rendezvous: ``MASTER_ADDR`` and ``MASTER_PORT`` from the
+    launcher's environment when set, else :func:`master_address` and :func:`free_port`
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` are set per rank by
+    :data:`hipress.launch.runner.RANK_ENV_WRAPPER`).
     Relative paths (hostfile, config, timeline) are relative to the current directory,
     like the job's command, and are made absolute for the workers.
 
@@ -178,8 +192,36 @@ def resolve_spec(
         env["HIPRESS_CONFIG"] = os.path.abspath(args.config)
     if args.timeline:
         env["HIPRESS_TIMELINE"] = os.path.abspath(args.timeline)
+    # 6. torch.distributed's env:// rendezvous, the same on every rank
+    env.setdefault("MASTER_ADDR", environ.get("MASTER_ADDR") or master_address(hosts))
+    env.setdefault("MASTER_PORT", environ.get("MASTER_PORT") or str(free_port()))
     return LaunchSpec(np=np_, command=command, hosts=hosts, hostfile=hostfile,
                       network_interface=iface, ssh_port=ssh_port, env=env)
+
+
+def master_address(hosts: Optional[Sequence[Host]]) -> str:
+    """Return the address of rank 0's host for torch.distributed (``MASTER_ADDR``).
+
+    Ranks are mapped by slot, so rank 0 runs on the first host. A job on this machine only
+    gets ``127.0.0.1``; when the first host is this machine but others are remote, its
+    fully qualified name (which the remote hosts must resolve); else the first host's name.
+    """
+    if not hosts or all(is_local_host(h.name) for h in hosts):
+        return "127.0.0.1"
+    if is_local_host(hosts[0].name):
+        return socket.getfqdn()
+    return hosts[0].name
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on this machine now (for ``MASTER_PORT``).
+
+    Checked here only: when rank 0 runs on another host the port is very likely free
+    there too; set ``MASTER_PORT`` in the environment to choose it yourself.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
 
 def _setup_logging(verbose: bool) -> None:

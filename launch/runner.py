@@ -27,6 +27,15 @@ Open MPI choices (documented because they differ from mpirun's defaults):
   machines we run on, and forcing ``vader`` breaks Open MPI 5 (renamed ``sm``).
 - When a rank exits non-zero, Open MPI's ``mpirun`` terminates the whole job and exits
   with that status; no extra flag is needed.
+
+torch.distributed's ``env://`` variables (both flavours): the worker command is run
+through :data:`RANK_ENV_WRAPPER`, a ``/bin/sh`` line that exports ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` from the variables the MPI
+launcher sets per rank (Open MPI's ``OMPI_COMM_WORLD_*``, Hydra's ``PMI_RANK``,
+``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``) and then replaces itself with the
+command (``exec``), so ``torch.distributed.init_process_group("gloo")`` works as under ``torchrun``.
+``MASTER_ADDR`` and ``MASTER_PORT`` are the same on every rank and travel as forwarded
+variables (see :func:`hipress.launch.cli.resolve_spec`).
 """
 
 from __future__ import annotations
@@ -60,6 +69,17 @@ logger = logging.getLogger(__name__)
 #: Variables forwarded to remote hosts when present (local ranks inherit everything).
 REMOTE_DEFAULT_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
 
+#: Prefix of every worker command: exports torch.distributed's per-rank variables from the
+#: MPI launcher's own, then execs the command (argv[0] of the script is "hipress-worker").
+RANK_ENV_WRAPPER = (
+    "/bin/sh", "-c",
+    'export RANK="${OMPI_COMM_WORLD_RANK:-$PMI_RANK}" '
+    'WORLD_SIZE="${OMPI_COMM_WORLD_SIZE:-$PMI_SIZE}" '
+    'LOCAL_RANK="${OMPI_COMM_WORLD_LOCAL_RANK:-$MPI_LOCALRANKID}" '
+    'LOCAL_WORLD_SIZE="${OMPI_COMM_WORLD_LOCAL_SIZE:-$MPI_LOCALNRANKS}"; exec "$@"',
+    "hipress-worker",
+)
+
 
 class MPIError(ConfigError):
     """No usable MPI launcher, or one that cannot express the requested job."""
@@ -77,6 +97,8 @@ class LaunchSpec:
         network_interface: interface for MPI traffic, e.g. ``eth0``.
         ssh_port: ssh port of the remote hosts.
         env: variables forwarded to every rank, name -> exact value, in order.
+        rank_env: run the command through :data:`RANK_ENV_WRAPPER` (torch.distributed's
+            ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` per rank).
     """
 
     np: int
@@ -86,6 +108,11 @@ class LaunchSpec:
     network_interface: Optional[str] = None
     ssh_port: Optional[int] = None
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    rank_env: bool = True
+
+    def worker_argv(self) -> List[str]:
+        """Return the command each rank runs (the wrapper, then :attr:`command`)."""
+        return (list(RANK_ENV_WRAPPER) if self.rank_env else []) + list(self.command)
 
     def is_local(self, hostname: Optional[str] = None) -> bool:
         """Return True when every rank runs on this machine (no ssh involved)."""
@@ -194,7 +221,7 @@ class OpenMPIRunner(MPIRunner):
             argv += ["--mca", "plm_rsh_args", f"-p {spec.ssh_port}"]
         for name in self.forwarded_env(spec, environ):
             argv += ["-x", name]
-        return argv + list(spec.command)
+        return argv + spec.worker_argv()
 
 
 class MPICHRunner(MPIRunner):
@@ -223,7 +250,7 @@ class MPICHRunner(MPIRunner):
         names = list(self.forwarded_env(spec, environ))
         if names:
             argv += ["-genvlist", ",".join(names)]
-        return argv + list(spec.command)
+        return argv + spec.worker_argv()
 
 
 RUNNERS = {cls.flavour: cls for cls in (OpenMPIRunner, MPICHRunner)}

@@ -28,13 +28,27 @@ Cases (all with float32 parameters):
   bit-identically and the next step gives bit-identical parameters and residuals.
 - ``identical_every_codec``: with each built-in lossy codec, parameters and synchronized
   gradients are bit-identical on every rank after three steps.
+- ``direct_collectives_exact``: with a lossy policy configured (onebit, 4 KiB threshold),
+  ``allreduce``/``broadcast`` called directly are exact; a per-call codec is used even on a
+  tensor below the threshold.
+- ``explicit_codec_every_tensor``: ``compression="onebit"`` in the optimizer compresses
+  every gradient, a 4-element bias included, whatever ``min_compress_bytes`` says.
+- ``warns_when_nothing_compressed``: under a onebit policy whose threshold exceeds every
+  gradient, rank 0 logs one warning naming ``min_compress_bytes``, once per job.
+- ``nonfinite_passthrough``: with error-feedback onebit and with PowerSGD, an inf on one
+  rank reaches every rank as non-finite; residuals and codec state stay as they were, and
+  the next step is finite and bit-identical on every rank.
+- ``nonfinite_accumulated``: the same inside ``backward_passes_per_step = 2``; the step
+  after the overflow holds no NaN.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 import traceback
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -111,6 +125,15 @@ class Driver:
         rescaled), wrapped by the adapter's distributed optimizer with the given options;
         gradient names start with ``prefix`` so cases never share engine state.
         """
+        raise NotImplementedError
+
+    def allreduce(self, array: np.ndarray, name: str, op: str = "average",
+                  compression: Any = None) -> np.ndarray:
+        """Call the adapter's own ``allreduce`` on a framework tensor made from ``array``."""
+        raise NotImplementedError
+
+    def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
+        """Call the adapter's own ``broadcast`` on a framework tensor made from ``array``."""
         raise NotImplementedError
 
 
@@ -309,6 +332,171 @@ def identical_every_codec(d: Driver) -> None:
         same_on_every_rank(got, f"{codec}.grads")
         same_on_every_rank(tr.params(), f"{codec}.params")
         tr.close()
+
+
+@contextlib.contextmanager
+def policy(**compression: Any) -> Iterator[None]:
+    """Run with the job's ``compression`` config section changed (on every rank alike).
+
+    Stands in for a job launched with that config, so one MPI job can run the cases; the
+    "nothing was compressed" warning is re-armed (it fires once per job).
+    """
+    eng = hipress.api._engine()
+    old = eng.cfg.compression
+    eng.cfg.compression = old.model_copy(update=compression)
+    eng._warned_uncompressed = False
+    try:
+        yield
+    finally:
+        eng.cfg.compression = old
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: List[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@case
+def direct_collectives_exact(d: Driver) -> None:
+    """With a lossy policy configured, allreduce/broadcast called directly are exact."""
+    rank, size = hipress.rank(), hipress.size()
+    with policy(algorithm="onebit", min_compress_bytes=4096, params={}):
+        # 8 KiB metric vectors of integers times size: the exact average is an integer
+        vals = [np.random.default_rng(50 + r).integers(-1000, 1000, 2048).astype(np.float32)
+                * np.float32(size) for r in range(size)]
+        got = d.allreduce(vals[rank], f"suite.metric.{d.framework}")
+        want = sum(vals) / np.float32(size)
+        assert got.dtype == np.float32, got.dtype
+        assert np.array_equal(got, want), float(np.abs(got - want).max())
+        got = d.allreduce(vals[rank], f"suite.metric.sum.{d.framework}", op="sum")
+        assert np.array_equal(got, sum(vals)), float(np.abs(got - sum(vals)).max())
+        st = hipress.stats()[f"suite.metric.{d.framework}"]
+        assert st["codec"] == "none", st
+        got = d.broadcast(vals[rank], size - 1, f"suite.bcast.{d.framework}")
+        assert np.array_equal(got, vals[size - 1])
+        # a per-call codec is honoured on a tensor far below min_compress_bytes
+        x = np.full(1000, rank + 1.0, np.float32)
+        got = d.allreduce(x, f"suite.explicit.{d.framework}", compression="onebit")
+        st = hipress.stats()[f"suite.explicit.{d.framework}"]
+        assert st["codec"] == "onebit" and st["strategy"] in ("ps", "ring"), st
+        assert st["compression_ratio"] > 10, st
+        same_on_every_rank({"x": got}, f"explicit.{d.framework}")
+
+
+@case
+def explicit_codec_every_tensor(d: Driver) -> None:
+    """compression='onebit' in the optimizer compresses every tensor, whatever its size."""
+    rank = hipress.rank()
+    shapes = {"w": (16, 8), "b": (4,)}
+    with policy(min_compress_bytes=1 << 20):
+        tr = d.build("suite.explicit", _zeros(shapes), compression="onebit")
+        tr.step([_rand_grads(0, rank, shapes)])
+        for k in shapes:
+            st = hipress.stats()[tr.engine_name(k)]
+            assert st["codec"] == "onebit", (k, st)
+        same_on_every_rank(tr.grads(), "explicit.grads")
+        tr.close()
+
+
+@case
+def warns_when_nothing_compressed(d: Driver) -> None:
+    """A onebit policy whose threshold exceeds every gradient: one warning, on rank 0."""
+    rank = hipress.rank()
+    shapes = {"w": (16, 8), "b": (4,)}
+    rec = _Records()
+    log = logging.getLogger("hipress")
+    log.addHandler(rec)
+    try:
+        with policy(algorithm="onebit", min_compress_bytes=4096, warmup_steps=0, params={},
+                    rules=[]):
+            tr = d.build("suite.warn", _zeros(shapes), compression=None)
+            for s in range(3):
+                tr.step([_rand_grads(s, rank, shapes)])
+            for k in shapes:
+                assert hipress.stats()[tr.engine_name(k)]["codec"] == "none"
+            tr.close()
+    finally:
+        log.removeHandler(rec)
+    warned = [m for m in rec.messages if "compression was asked for" in m]
+    if rank == 0:
+        assert len(warned) == 1, rec.messages
+        assert "compression.min_compress_bytes=4096" in warned[0], warned[0]
+        assert "compression.algorithm='onebit'" in warned[0], warned[0]
+    else:
+        assert not warned, warned
+
+
+def _codec_state() -> Dict[str, Any]:
+    return {k: {n: np.array(v, copy=True) for n, v in c.items()}
+            for k, c in hipress.state_dict()["codecs"].items()}
+
+
+@case
+def nonfinite_passthrough(d: Driver) -> None:
+    """inf on one rank: non-finite everywhere, residual/codec state kept, next step normal."""
+    rank, size = hipress.rank(), hipress.size()
+    shapes = {"w": (32, 16), "v": (64,)}
+    for codec in ("onebit", "powersgd"):
+        tr = d.build(f"suite.nonfinite.{codec}", _zeros(shapes), compression=codec)
+        names = {k: tr.engine_name(k) for k in shapes}
+        tr.step([_rand_grads(0, rank, shapes)])
+        res_before = {k: residual(n) for k, n in names.items()}
+        state_before = _codec_state()
+        bad = _rand_grads(1, rank, shapes)
+        if rank == size - 1:
+            bad["w"][3, 5] = np.inf
+            bad["v"][7] = np.nan
+        tr.step([bad])
+        got = tr.grads()
+        for k in shapes:
+            assert not np.isfinite(got[k]).all(), (codec, k, "inf/NaN must reach every rank")
+            st = hipress.stats()[names[k]]
+            assert st.get("nonfinite_steps") == 1, st
+        assert not np.isfinite(got["w"][3, 5]) and not np.isfinite(got["v"][7])
+        for k, n in names.items():
+            after = residual(n)
+            if res_before[k] is None:
+                assert after is None, (codec, k)
+            else:
+                assert np.array_equal(after, res_before[k]), (codec, k, "residual moved")
+        state_after = _codec_state()
+        if codec == "powersgd":
+            assert any(n.startswith(names["w"]) for q in state_before.values() for n in q), \
+                state_before
+        assert state_after.keys() == state_before.keys()
+        for key in state_before:
+            for n, q in state_before[key].items():
+                assert np.array_equal(state_after[key][n], q), (codec, key, n, "state moved")
+        tr.step([_rand_grads(2, rank, shapes)])
+        got = tr.grads()
+        assert all(np.isfinite(g).all() for g in got.values()), codec
+        same_on_every_rank(got, f"nonfinite.{codec}")
+        if codec == "onebit":
+            assert not np.array_equal(residual(names["w"]), res_before["w"]), "EF must resume"
+        tr.close()
+
+
+@case
+def nonfinite_accumulated(d: Driver) -> None:
+    """An overflow in one of two accumulated passes: that step non-finite, the next clean."""
+    rank = hipress.rank()
+    shapes = {"w": (16, 8)}
+    tr = d.build("suite.nonfinite.bpps", _zeros(shapes), compression="onebit",
+                 backward_passes_per_step=2)
+    first = _rand_grads(0, rank, shapes)
+    if rank == 0:
+        first["w"][0, 0] = -np.inf
+    tr.step([first, _rand_grads(1, rank, shapes)])
+    assert not np.isfinite(tr.grads()["w"]).all()
+    tr.step([_rand_grads(2, rank, shapes), _rand_grads(3, rank, shapes)])
+    got = tr.grads()
+    assert np.isfinite(got["w"]).all(), "NaN/inf left behind by the overflowed step"
+    same_on_every_rank(got, "nonfinite.bpps")
+    tr.close()
 
 
 # ----------------------------------------------------------------------------- runner

@@ -13,6 +13,7 @@ from hipress.config import (
     config_from_dict,
     dump_effective,
     load_config,
+    summarize_effective,
 )
 from hipress.errors import ConfigError, HiPressError
 
@@ -327,6 +328,20 @@ def test_dump_effective():
     assert lines[0] == "effective HiPress config:"
     assert "    algorithm: onebit" in lines
     assert yaml.safe_load("\n".join(line[2:] for line in lines[1:])) == cfg.to_dict()
+
+
+def test_summarize_effective_is_one_line_with_code_overrides():
+    cfg = config_from_dict({"compression": {"algorithm": "onebit", "min_compress_bytes": 4096,
+                                            "rules": [{"pattern": "*.bias"}]},
+                            "cluster": {"np": 1}, "sync": {"stall_timeout_s": 20}})
+    line = summarize_effective(cfg, 2, 2, {"DistributedOptimizer": "dgc"})
+    assert line == (
+        "HiPress: 2 ranks (2 on this host) | gradients: dgc (DistributedOptimizer) | "
+        "policy: onebit, min 4 KiB, warm-up 0, memory auto, rules *.bias->none | sync: auto, "
+        "partitions 4 MiB, fusion 64 MiB, cycle 1 ms, stall 20 s, plan none | timeline off")
+    plain = summarize_effective(config_from_dict({}), 1, 1)
+    assert plain.startswith("HiPress: 1 rank (1 on this host) | policy: none, min 64 KiB")
+    assert "gradients:" not in plain and "\n" not in plain
 
 
 # ----------------------------------------------------------------------------- configs/

@@ -53,6 +53,16 @@ def test_error_feedback_tracks_running_sum(np_):
     run_cases(np_, ["error_feedback_tracks_sum"])
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_nonfinite_gradient_reaches_every_rank_and_keeps_state(np_):
+    run_cases(np_, ["nonfinite_passes_through"])
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_direct_calls_exact_under_a_lossy_policy(np_):
+    run_cases(np_, ["direct_calls_exact_under_policy"])
+
+
 def test_secopa_plan_auto_is_followed():
     run_cases(2, ["plan_auto_followed"])
 
@@ -78,7 +88,7 @@ def test_stall_fails_every_rank_naming_gradient_and_ranks():
 
 def test_failure_on_one_rank_fails_every_rank_quickly():
     t0 = time.monotonic()
-    run_cases(3, ["nonfinite_one_rank_fails_all"], timeout=60, env={"STALL": "60"})
+    run_cases(3, ["failure_on_one_rank_fails_all"], timeout=60, env={"STALL": "60"})
     assert time.monotonic() - t0 < 40
 
 

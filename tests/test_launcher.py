@@ -28,6 +28,7 @@ from hipress.launch.hosts import (
 )
 from hipress.launch.relay import describe_failure, rewrite_tag
 from hipress.launch.runner import (
+    RANK_ENV_WRAPPER,
     LaunchSpec,
     MPICHRunner,
     MPIError,
@@ -40,6 +41,7 @@ from hipress.launch.runner import (
 MPIRUN = find_mpirun()
 needs_mpi = pytest.mark.skipif(MPIRUN is None, reason="no mpirun installed")
 BASE = ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
+WRAP = list(RANK_ENV_WRAPPER)
 
 
 # ----------------------------------------------------------------------------- -H lists
@@ -161,12 +163,12 @@ def _spec(**kw):
 def test_openmpi_argv_localhost():
     r = OpenMPIRunner("/venv/bin/mpirun", "5.0.11", is_root=False, hostname="box")
     assert r.get_cmd(_spec(), {}) == [
-        "/venv/bin/mpirun", "-np", "2", "--oversubscribe", *BASE, "python", "train.py",
+        "/venv/bin/mpirun", "-np", "2", "--oversubscribe", *BASE, *WRAP, "python", "train.py",
         "--lr", "0.1"]
     root = OpenMPIRunner("mpirun", is_root=True, hostname="box")
     assert root.get_cmd(_spec(np=4), {}) == [
-        "mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe", *BASE, "python",
-        "train.py", "--lr", "0.1"]
+        "mpirun", "-np", "4", "--allow-run-as-root", "--oversubscribe", *BASE, *WRAP,
+        "python", "train.py", "--lr", "0.1"]
 
 
 def test_openmpi_argv_multi_host_full():
@@ -180,7 +182,7 @@ def test_openmpi_argv_multi_host_full():
         "--mca", "btl_tcp_if_include", "eth0", "--mca", "oob_tcp_if_include", "eth0",
         "--mca", "plm_rsh_args", "-p 2222",
         "-x", "PATH", "-x", "PYTHONPATH", "-x", "A", "-x", "HIPRESS_CONFIG",
-        "python", "train.py", "--lr", "0.1"]
+        *WRAP, "python", "train.py", "--lr", "0.1"]
     env = r.get_env(spec, environ)
     assert env["A"] == 'has spaces "and" quotes' and env["HIPRESS_CONFIG"] == "/j.yaml"
     assert env["HOME"] == "/root" and env["PATH"] == "/venv/bin:/usr/bin"
@@ -190,24 +192,25 @@ def test_openmpi_argv_hostfile_and_local_hosts():
     r = OpenMPIRunner("mpirun", is_root=False, hostname="box")
     spec = _spec(np=16, hosts=[Host("a", 8), Host("b", 8)], hostfile="/etc/hf")
     assert r.get_cmd(spec, {"PATH": "/bin"}) == [
-        "mpirun", "-np", "16", *BASE, "--hostfile", "/etc/hf", "-x", "PATH", "python",
-        "train.py", "--lr", "0.1"]
+        "mpirun", "-np", "16", *BASE, "--hostfile", "/etc/hf", "-x", "PATH", *WRAP,
+        "python", "train.py", "--lr", "0.1"]
     # Only local hosts: oversubscribe, nothing forwarded by default.
     spec = _spec(np=2, hosts=[Host("localhost", 1), Host("box", 1)])
     assert r.get_cmd(spec, {"PATH": "/bin"}) == [
-        "mpirun", "-np", "2", "--oversubscribe", *BASE, "-H", "localhost:1,box:1", "python",
-        "train.py", "--lr", "0.1"]
+        "mpirun", "-np", "2", "--oversubscribe", *BASE, "-H", "localhost:1,box:1", *WRAP,
+        "python", "train.py", "--lr", "0.1"]
 
 
 def test_mpich_argv():
     r = MPICHRunner("/usr/bin/mpiexec", "4.1", is_root=True, hostname="box")
     assert r.get_cmd(_spec(), {}) == [
-        "/usr/bin/mpiexec", "-n", "2", "-prepend-rank", "python", "train.py", "--lr", "0.1"]
+        "/usr/bin/mpiexec", "-n", "2", "-prepend-rank", *WRAP, "python", "train.py", "--lr",
+        "0.1"]
     spec = _spec(np=3, hosts=[Host("h1", 2), Host("h2", 2)], network_interface="ib0",
                  env={"A": "x y", "B": "1"})
     assert r.get_cmd(spec, {"PATH": "/bin"}) == [
         "/usr/bin/mpiexec", "-n", "3", "-hosts", "h1:2,h2:2", "-iface", "ib0", "-prepend-rank",
-        "-genvlist", "PATH,A,B", "python", "train.py", "--lr", "0.1"]
+        "-genvlist", "PATH,A,B", *WRAP, "python", "train.py", "--lr", "0.1"]
     with pytest.raises(MPIError, match="no ssh port option"):
         r.get_cmd(_spec(ssh_port=2222), {})
 
@@ -311,15 +314,25 @@ def test_precedence_yaml_then_command_line(tmp_path):
     assert spec.np == 4 and spec.command == ["python", "train.py", "--epochs", "5"]
     assert spec.hosts == [Host("h1", 4), Host("h2", 4)] and spec.hostfile == str(hf)
     assert spec.network_interface == "eth1"
-    assert spec.env == {"A": "from-yaml", "B": "yaml-only", "HIPRESS_CONFIG": str(job)}
+    port = spec.env.pop("MASTER_PORT")
+    assert 1024 <= int(port) <= 65535, port
+    # rank 0 runs on the first host; torch.distributed's rendezvous is there
+    assert spec.env == {"A": "from-yaml", "B": "yaml-only", "HIPRESS_CONFIG": str(job),
+                        "MASTER_ADDR": "h1"}
     spec = _resolve(["--config", str(job), "-np", "2", "-H", "localhost:2",
                      "--network-interface", "eth0", "-x", "A=from-cli", "--timeline", "t.json",
                      "python", "other.py"])
     assert spec.np == 2 and spec.command == ["python", "other.py"]
     assert spec.hosts == [Host("localhost", 2)] and spec.hostfile is None
     assert spec.network_interface == "eth0"
+    spec.env.pop("MASTER_PORT")
     assert spec.env == {"A": "from-cli", "B": "yaml-only", "HIPRESS_CONFIG": str(job),
-                        "HIPRESS_TIMELINE": os.path.abspath("t.json")}
+                        "HIPRESS_TIMELINE": os.path.abspath("t.json"),
+                        "MASTER_ADDR": "127.0.0.1"}
+    # the launcher's own MASTER_ADDR/MASTER_PORT win
+    spec = _resolve(["-np", "2", "python", "t.py"],
+                    {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29511"})
+    assert spec.env == {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29511"}
 
 
 def test_np_from_yaml_only_when_the_file_sets_it(tmp_path):
@@ -354,13 +367,14 @@ def _main(argv, capsys, environ=None):
 @needs_mpi
 def test_dry_run_prints_the_command(capsys):
     rc, out, err = _main(["-np", "2", "-x", "A=a b", "--dry-run", "python", "-c", "print(1)"],
-                         capsys)
+                         capsys, {**_clean_env(), "MASTER_PORT": "29500"})
     assert rc == 0 and err == ""
     runner = detect_mpi()
-    expected = ["env", "A=a b", runner.mpirun, "-np", "2"]
+    expected = ["env", "A=a b", "MASTER_ADDR=127.0.0.1", runner.mpirun, "-np", "2"]
     if os.geteuid() == 0:
         expected.append("--allow-run-as-root")
-    expected += ["--oversubscribe", *BASE, "-x", "A", "python", "-c", "print(1)"]
+    expected += ["--oversubscribe", *BASE, "-x", "A", "-x", "MASTER_ADDR", "-x", "MASTER_PORT",
+                 *WRAP, "python", "-c", "print(1)"]
     import shlex
 
     assert shlex.split(out) == expected
@@ -460,6 +474,69 @@ def test_real_env_forwarding_keeps_values_exactly(tmp_path):
     expected = (value, tricky, "from yaml", str(job), str(tmp_path / "t.json"))
     assert res.stdout.splitlines() == [f"[0] {expected!r}"]
     assert "skipping -x '1BAD=x'" in res.stderr
+
+
+TORCH_ENV_WORKER = """\
+import os
+import torch
+import torch.distributed as dist
+import hipress.torch as hp
+hp.init()
+dist.init_process_group("gloo")   # env:// from hipressrun's variables, as under torchrun
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+print("ENV", *(os.environ[k] for k in keys), dist.get_rank(), hp.rank(), float(t))
+print("PORT", os.environ["MASTER_PORT"])
+dist.destroy_process_group()
+hp.shutdown()
+"""
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_real_run_exports_torch_distributed_env():
+    pytest.importorskip("torch")
+    res = _hipressrun(["-np", "2", sys.executable, "-c", TORCH_ENV_WORKER], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    envs = sorted(line for line in res.stdout.splitlines() if " ENV " in line)
+    assert envs == [f"[{r}] ENV {r} 2 {r} 2 127.0.0.1 {r} {r} 3.0" for r in range(2)], \
+        res.stdout
+    ports = {line.split()[-1] for line in res.stdout.splitlines() if " PORT " in line}
+    assert len(ports) == 1 and 1024 <= int(ports.pop()) <= 65535, res.stdout
+
+
+CONFIG_LOG_WORKER = """\
+import torch
+import hipress.torch as hp
+hp.init()
+model = torch.nn.Linear(64, 64)
+opt = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                              named_parameters=model.named_parameters(), compression="dgc")
+for _ in range(2):
+    opt.zero_grad()
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+hp.shutdown()
+"""
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_real_run_logs_the_effective_config_in_one_line(tmp_path):
+    pytest.importorskip("torch")
+    job = tmp_path / "job.yaml"
+    job.write_text("cluster: {np: 1}\ncompression: {algorithm: none}\n")
+    res = _hipressrun(["-np", "2", "--config", str(job), sys.executable, "-c",
+                       CONFIG_LOG_WORKER], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if "[hipress" in line]
+    summary = [line for line in lines if "HiPress: " in line]
+    assert len(summary) == 1 and summary[0].startswith("[0] [hipress INFO] HiPress: 2 ranks"), \
+        lines
+    assert "gradients: dgc (DistributedOptimizer)" in summary[0], summary
+    assert "policy: none" in summary[0]
+    assert not any("effective" in line for line in lines), lines
 
 
 FAILING_WORKER = """\

@@ -27,12 +27,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SUITE = ["identity_exact", "sum_op", "unused_zero_filled", "accumulation", "checkpoint",
          "identical_every_codec"]
+#: behaviour-suite cases of "correct by default" (tests/behaviour_suite.py), all adapters
+SUITE_13 = ["direct_collectives_exact", "explicit_codec_every_tensor",
+            "warns_when_nothing_compressed", "nonfinite_passthrough", "nonfinite_accumulated"]
 JOBS = {
     2: [f"{c}@gluon" for c in SUITE]
     + ["rescale_once", "manual_allreduce_update", "broadcast_deferred", "collectives",
-       "errors", "gluon_trains"],
+       "errors", "gluon_trains"] + [f"{c}@gluon" for c in SUITE_13],
     3: ["identity_exact@gluon", "unused_zero_filled@gluon", "accumulation@gluon",
-        "checkpoint@gluon", "rescale_once", "broadcast_deferred"],
+        "checkpoint@gluon", "rescale_once", "broadcast_deferred"]
+    + [f"{c}@gluon" for c in SUITE_13],
 }
 
 _results: dict = {}

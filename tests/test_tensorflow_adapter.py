@@ -24,13 +24,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SUITE_2 = ["identity_exact", "sum_op", "unused_zero_filled", "accumulation", "checkpoint",
            "identical_every_codec"]
+#: behaviour-suite cases of "correct by default" (tests/behaviour_suite.py), all adapters
+SUITE_13 = ["direct_collectives_exact", "explicit_codec_every_tensor",
+            "warns_when_nothing_compressed", "nonfinite_passthrough", "nonfinite_accumulated"]
 JOBS = {
     2: [f"{c}@graph" for c in SUITE_2]
     + ["identity_exact@eager", "unused_zero_filled@eager", "accumulation@eager",
        "checkpoint@eager", "tape_none_and_structure", "tape_unnamed_variables",
-       "indexed_slices", "indexed_slices_accumulated", "model_fit", "collectives", "errors"],
+       "indexed_slices", "indexed_slices_accumulated", "model_fit", "collectives", "errors"]
+    + [f"{c}@graph" for c in SUITE_13] + ["direct_collectives_exact@eager",
+                                          "nonfinite_passthrough@eager"],
     3: ["identity_exact@graph", "identity_exact@eager", "unused_zero_filled@graph",
-        "accumulation@graph", "checkpoint@graph", "tape_none_and_structure", "indexed_slices"],
+        "accumulation@graph", "checkpoint@graph", "tape_none_and_structure", "indexed_slices"]
+    + [f"{c}@graph" for c in SUITE_13],
 }
 
 _results: dict = {}

@@ -18,13 +18,18 @@ torch = pytest.importorskip("torch")
 
 WORKER = Path(__file__).parent / "workers" / "torch_adapter.py"
 
+#: behaviour-suite cases of "correct by default" (tests/behaviour_suite.py), all adapters
+SUITE_13 = ["direct_collectives_exact", "explicit_codec_every_tensor",
+            "warns_when_nothing_compressed", "nonfinite_passthrough", "nonfinite_accumulated"]
 JOBS = {
     2: [
         "identity_exact", "unused_parameter", "backward_passes", "bfloat16_cpu",
         "names_checked", "sparse_embedding", "checkpoint", "broadcast_state",
-        "loss_falls_every_codec", "ddp_hook",
-    ],
-    3: ["identity_exact", "bfloat16_cpu", "sparse_embedding"],
+        "loss_falls_every_codec", "ddp_hook", "gradscaler_overflow",
+        "ddp_powersgd_per_parameter", "ddp_rules_on_parameter_names",
+    ] + [f"{c}@torch" for c in SUITE_13],
+    3: ["identity_exact", "bfloat16_cpu", "sparse_embedding", "gradscaler_overflow",
+        "ddp_powersgd_per_parameter"] + [f"{c}@torch" for c in SUITE_13],
 }
 
 _results: dict = {}
@@ -42,8 +47,8 @@ def _check(np_: int, case: str) -> str:
     out = proc.stdout
     passed = rank_lines(out, f"PASS {case} rank ")
     if len(passed) != np_:
-        fails = re.findall(rf"^FAIL {case} rank \d+\n(?:.*\n)*?(?=^(?:PASS|FAIL) |\Z)", out,
-                           flags=re.M)
+        fails = re.findall(rf"^FAIL {re.escape(case)} rank \d+\n(?:.*\n)*?(?=^(?:PASS|FAIL) |\Z)",
+                           out, flags=re.M)
         detail = "\n".join(fails) or f"stdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
         pytest.fail(f"case {case} at {np_} ranks passed on {len(passed)} rank(s)\n{detail}",
                     pytrace=False)
@@ -100,6 +105,28 @@ def test_loss_falls_for_every_codec():
 
 def test_ddp_comm_hook_averages_buckets():
     _check(2, "ddp_hook")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_gradscaler_overflow_skips_step_on_every_rank(np_):
+    _check(np_, "gradscaler_overflow")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_ddp_powersgd_hook_compresses_per_parameter(np_):
+    out = _check(np_, "ddp_powersgd_per_parameter")
+    ratio = float(rank_lines(out, "DDP_POWERSGD_RATIO ")[0].split()[1])
+    assert ratio > 10, ratio
+
+
+def test_ddp_hook_rules_match_parameter_names():
+    _check(2, "ddp_rules_on_parameter_names")
+
+
+@pytest.mark.parametrize("case", SUITE_13)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_correct_by_default(np_, case):
+    _check(np_, f"{case}@torch")
 
 
 # ------------------------------------------------------------- local (no MPI) helpers

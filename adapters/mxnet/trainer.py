@@ -88,8 +88,9 @@ class DistributedTrainer(mx.gluon.Trainer):
             ``momentum``, ``wd``, ``rescale_grad``, ...).
         compression: None to follow the config policy, a codec name (``"none"``,
             ``"onebit"``, ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``,
-            ``"powersgd"``, ...), a ``.hpc`` CompLL spec, or a Codec instance; a name with
-            ``codec_params`` applies to every tensor without warm-up or size threshold.
+            ``"powersgd"``, ...), a ``.hpc`` CompLL spec, or a Codec instance. An explicit
+            codec is used for every tensor, whatever its size and the step; only None
+            (or ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
             DGC's default memory applies momentum correction: use an optimizer without
             momentum.
         backward_passes_per_step: ``step`` calls summed locally per update (>= 1).
@@ -123,7 +124,8 @@ class DistributedTrainer(mx.gluon.Trainer):
                 f"parameters {sparse} have sparse ({self._params[0]._grad_stype}) gradients; "
                 "HiPress synchronizes dense gradients: build them with sparse_grad=False"
             )
-        self._hp_codec = resolve_codec(compression, codec_params)
+        self._hp_codec = resolve_codec(compression, codec_params, gradients=True)
+        hipress.api.note_compression("DistributedTrainer", self._hp_codec)
         self._hp_op = check_op(op)
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:

@@ -58,7 +58,9 @@ def allreduce(
             counter (``allreduce.noname.<n>``), correct when every rank calls in one order
             (inside ``tf.function`` the name is fixed when the function is traced).
         op: ``hp.Average`` or ``hp.Sum``.
-        compression: codec name, Codec instance, or None (config policy).
+        compression: None (default): exact, no codec (metrics, losses, counts);
+            a codec name or Codec instance: that codec whatever the size; ``"auto"``:
+            the job's compression policy, as for gradients in the optimizer.
         **codec_params: parameters of the named codec.
 
     Returns:

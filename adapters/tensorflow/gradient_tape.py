@@ -91,9 +91,9 @@ def DistributedGradientTape(  # noqa: N802  (Horovod's spelling: it returns a ta
         compression: None to follow the config policy (``compression.algorithm``, rules,
             ``min_compress_bytes``, warm-up), a codec name (``"none"``, ``"onebit"``,
             ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``, ``"powersgd"``, ...), a
-            ``.hpc`` CompLL spec, or a :class:`hipress.codecs.Codec`. A name with
-            ``codec_params`` (or an instance) applies to every tensor, without warm-up or
-            size threshold (as in the PyTorch adapter).
+            ``.hpc`` CompLL spec, or a :class:`hipress.codecs.Codec`. An explicit codec is
+            used for every tensor, whatever its size and the step; only None (or
+            ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
         op: ``hp.Average`` (default) or ``hp.Sum``.
         sparse_as_dense: densify ``IndexedSlices`` gradients (default) or raise.
         **codec_params: constructor parameters of the named codec.
@@ -118,5 +118,6 @@ def DistributedGradientTape(  # noqa: N802  (Horovod's spelling: it returns a ta
     cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
     dist = cls.__new__(cls)
     dist.__dict__.update(tape.__dict__)
-    dist._hp_reducer = GradientReducer(compression, op, 1, sparse_as_dense, codec_params)
+    dist._hp_reducer = GradientReducer(compression, op, 1, sparse_as_dense, codec_params,
+                                        source="DistributedGradientTape")
     return dist

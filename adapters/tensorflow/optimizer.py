@@ -151,8 +151,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
         optimizer: an unbuilt ``keras.optimizers.Optimizer`` (SGD, Adam, ...).
         compression: None to follow the config policy, a codec name (``"none"``,
             ``"onebit"``, ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``,
-            ``"powersgd"``, ...), a ``.hpc`` CompLL spec, or a Codec instance; a name with
-            ``codec_params`` applies to every tensor without warm-up or size threshold.
+            ``"powersgd"``, ...), a ``.hpc`` CompLL spec, or a Codec instance. An explicit
+            codec is used for every tensor, whatever its size and the step; only None
+            (or ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
             DGC's default memory applies momentum correction: give it an optimizer
             without momentum.
         backward_passes_per_step: ``apply`` calls summed locally per update (>= 1).

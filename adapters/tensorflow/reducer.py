@@ -45,12 +45,14 @@ class GradientReducer:
     """Synchronize lists of TensorFlow gradients across ranks (eager or in ``tf.function``).
 
     Args:
-        compression: None (config policy), a codec name, a ``.hpc`` spec or a Codec.
+        compression: None or ``"auto"`` (the config's policy), or a codec name, ``.hpc``
+            spec or Codec used for every gradient whatever its size.
         op: ``"average"`` or ``"sum"``.
         backward_passes_per_step: passes summed locally before each synchronization.
         sparse_as_dense: densify ``IndexedSlices`` (True) or refuse them (False).
         codec_params: constructor parameters of the named codec.
         prefix: first component of positional names when variable names are not unique.
+        source: the API using the reducer, for the startup config line.
 
     Raises:
         ValueError: bad op or ``backward_passes_per_step``.
@@ -65,8 +67,10 @@ class GradientReducer:
         sparse_as_dense: bool = True,
         codec_params: Optional[Dict[str, Any]] = None,
         prefix: str = "grad",
+        source: str = "DistributedOptimizer",
     ) -> None:
-        self.codec = resolve_codec(compression, codec_params)
+        self.codec = resolve_codec(compression, codec_params, gradients=True)
+        hipress.api.note_compression(source, self.codec)
         self.op = check_op(op)
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:

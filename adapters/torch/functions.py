@@ -115,7 +115,9 @@ def allreduce_async(
         name: unique among in-flight submissions, identical on every rank. Default: a
             counter (``allreduce.noname.<n>``), correct when every rank calls in one order.
         op: ``hp.Average`` or ``hp.Sum``.
-        compression: codec name, Codec instance, or None (config policy).
+        compression: None (default): exact, no codec (metrics, losses, counts);
+            a codec name or Codec instance: that codec whatever the size; ``"auto"``:
+            the job's compression policy, as for gradients in the optimizer.
         **codec_params: parameters of the named codec.
 
     Raises:

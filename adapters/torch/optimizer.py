@@ -123,10 +123,11 @@ class _DistributedOptimizer:
         self._hp_sync = GradientSynchronizer(
             list(self._hp_params),
             op=op,
-            codec=resolve_codec(compression, codec_params),
+            codec=resolve_codec(compression, codec_params, gradients=True),
             backward_passes_per_step=backward_passes_per_step,
             inplace=True,  # results land in p.grad itself: no result tensor, no copy
         )
+        hipress.api.note_compression("DistributedOptimizer", self._hp_sync.codec)
         self._hp_synchronized = False
         self._hp_should_synchronize = True
         self._hp_hooks: List[Any] = []
@@ -301,11 +302,12 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
             ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``, ``"powersgd"``, ``"fp16"``,
             ``"topk"``, ... see :func:`hipress.codecs.codec_names`), a ``.hpc`` CompLL spec,
             or a :class:`hipress.codecs.Codec` instance.
-            A name without parameters follows the config's warm-up, ``min_compress_bytes``
-            and memory policy; a name with ``codec_params`` (or an instance) is handed to
-            the engine as a Codec instance, which the engine applies to every tensor with
-            no warm-up or size threshold. DGC's default memory applies momentum
-            correction, so give it an optimizer without momentum (as in the DGC paper).
+            An explicit codec (name or instance) is used for every tensor, whatever its
+            size and the step; only None (or ``"auto"``) applies ``min_compress_bytes``,
+            rules and warm-up. The error-feedback memory follows ``compression.memory``,
+            and a name equal to ``compression.algorithm`` takes ``compression.params``.
+            DGC's default memory applies momentum correction, so give it an optimizer
+            without momentum (as in the DGC paper).
         backward_passes_per_step: backward passes summed locally per ``step()`` (>= 1).
         op: ``hp.Average`` (default) or ``hp.Sum`` across ranks.
         **codec_params: constructor parameters of the named codec (e.g. ``ratio=0.01``).

@@ -41,6 +41,7 @@ from hipress.backend import (
     to_host,
 )
 from hipress.codecs import Codec, get_codec
+from hipress.config import summarize_effective
 from hipress.engine import tasks as T
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
 from hipress.errors import HiPressError, StallError, SyncError
@@ -51,6 +52,9 @@ from hipress.timeline import Timeline, write_trace
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ps", "ring", "allreduce", "gather")
+#: the ``codec`` argument that applies the job's compression policy (what the optimizer
+#: wrappers, DDP hooks and trainers pass); ``None`` means exact, a name means that codec
+POLICY = "auto"
 _SUB_BITS = 12  # tags per task: ring steps and allgather need world_size + 2
 #: uncompressed gradients of at least this size are reduced in place, not fused
 _DIRECT_MIN_BYTES = 1 << 20
@@ -127,6 +131,11 @@ class Engine:
         self._codecs: Dict[str, Codec] = {}
         self._warned: set = set()
         self._warned_local = False
+        self._warned_uncompressed = False
+        self._acct: Dict[str, Any] = {}  # bytes asked/compressed this step (see _account)
+        self._ratios: Dict[Any, float] = {}
+        self._code_compression: Dict[str, str] = {}  # source -> codec (see note_compression)
+        self._announced = False
         self._memories: Dict[str, Memory] = {"none": get_memory("none")}
         self._lock = threading.Lock()
         self._queue: Deque[_Submission] = collections.deque()
@@ -169,15 +178,20 @@ class Engine:
             raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
         check_gradient_dtype(array.dtype, f"gradient {name!r}")
         inplace = bool(inplace) and _writable_contiguous(array)
+        if codec is not None:
+            self._announce()
         if self.size == 1:
             return self._local(array, name, codec, inplace)
-        cobj, key = self._resolve_codec(name, array, codec)
+        cobj, key, why = self._resolve_codec(name, array, codec)
         strategy = strategy or self.cfg.sync.strategy
         parts = None
         if cobj is not None and self._plan.active:
             compress, parts, strategy = self._plan.decide(name, array, cobj, strategy)
-            if not compress:
-                cobj, key, parts = None, "none", None
+            if not compress and codec == POLICY:  # an explicit codec is always honoured
+                cobj, key, parts, why = None, "none", None, "plan"
+            elif not compress:
+                parts = None
+        self._account(array, codec, cobj, key, why)
         sub = _Submission(name=name, array=array, average=(op == "average"), codec=cobj,
                           codec_key=key, strategy=strategy,
                           contributes=bool(contributes), handle=Handle(name), kind="allreduce",
@@ -223,11 +237,45 @@ class Engine:
         return sub.handle
 
     def step(self) -> None:
-        """Count a finished training step (warm-up steps run uncompressed)."""
+        """Count a finished training step (warm-up steps run uncompressed).
+
+        Also checks that compression asked for in this step did run (see
+        :meth:`_check_compressed`).
+        """
+        self._announce()
+        if self.step_count >= self.cfg.compression.warmup_steps:
+            self._check_compressed()
         self.step_count += 1
+
+    def note_compression(self, source: str, codec: Any) -> None:
+        """Record compression set in code, for the one-line config log.
+
+        Args:
+            source: who set it (``"DistributedOptimizer"``, ``"make_ddp_hook"``, ...).
+            codec: the ``codec`` argument that source submits gradients with; None and
+                :data:`POLICY` are not recorded (the policy is in the config).
+        """
+        if codec is None or (isinstance(codec, str) and codec == POLICY):
+            return
+        desc = codec if isinstance(codec, str) else _codec_key(codec.name, codec.params())
+        self._code_compression[source] = desc
+
+    def _announce(self) -> None:
+        """Log the effective config in one line on rank 0, once per job.
+
+        Called at the first gradient submission or step rather than in ``init``, so that
+        compression set in code (an optimizer's or hook's ``compression``) is included.
+        """
+        if self._announced:
+            return
+        self._announced = True
+        if self.rank == 0:
+            logger.info("%s", summarize_effective(self.cfg, self.size, self.world.local_size,
+                                                  self._code_compression))
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Finish in-flight work on every rank, stop the thread, write the timeline."""
+        self._announce()
         self._shutdown.set()
         self._wake.set()
         self._poke.set()
@@ -285,35 +333,130 @@ class Engine:
             self._codecs[key] = codec
 
     # ------------------------------------------------------------------ policy
-    def _resolve_codec(self, name: str, array: Any, codec: Any) -> Tuple[Optional[Codec], str]:
-        """Pick the codec of one gradient: explicit > warm-up > min size > rule > default."""
+    def _resolve_codec(self, name: str, array: Any,
+                       codec: Any) -> Tuple[Optional[Codec], str, Optional[str]]:
+        """Pick the codec of one gradient.
+
+        - ``None``: no codec; the reduction is exact.
+        - :data:`POLICY` (``"auto"``): the job's compression policy, as the optimizer
+          wrappers, DDP hooks and trainers submit gradients: no codec during the first
+          ``compression.warmup_steps`` steps or below ``compression.min_compress_bytes``
+          (unless a SeCoPa plan decides), else the first matching ``compression.rules``
+          entry, else ``compression.algorithm`` with ``compression.params``.
+        - a codec name or :class:`~hipress.codecs.Codec` instance: that codec, whatever
+          the gradient's size and the step (a name equal to ``compression.algorithm``
+          takes ``compression.params``).
+
+        Returns:
+            ``(codec or None, codec key, why)``: ``why`` says why a gradient for which
+            compression was asked goes uncompressed (``"warmup"``,
+            ``"min_compress_bytes"``), else None.
+
+        Raises:
+            CodecError: unknown codec name or bad parameters.
+        """
         comp = self.cfg.compression
-        if (self.step_count < comp.warmup_steps
-                or (not self._plan.active
-                    and array.size * array.dtype.itemsize < comp.min_compress_bytes)):
-            return None, "none"
+        if codec is None:
+            return None, "none", None
         if isinstance(codec, Codec):
             key = _codec_key(codec.name, codec.params())
-            if key not in self._codecs:
-                codec.bind(self.rank, self.size)
-                self._codecs[key] = codec
-            return (None, "none") if codec.name == "none" else (self._codecs[key], key)
-        if codec is not None:
-            algo, params = str(codec), dict(comp.params) if codec == comp.algorithm else {}
-        else:
+            if codec.name == "none":
+                return None, "none", None
+            with self._lock:
+                if key not in self._codecs:
+                    codec.bind(self.rank, self.size)
+                    self._codecs[key] = codec
+            return self._codecs[key], key, None
+        if codec == POLICY:
             algo, params = comp.algorithm, dict(comp.params)
             for rule in comp.rules:
                 if fnmatch.fnmatchcase(name, rule.pattern):
                     algo, params = rule.algorithm, dict(rule.params)
                     break
-        if algo == "none":
-            return None, "none"
-        key = _codec_key(algo, params)
-        if key not in self._codecs:
-            codec_obj = _build_codec(algo, params)
-            codec_obj.bind(self.rank, self.size)
-            self._codecs[key] = codec_obj
-        return self._codecs[key], key
+            if algo == "none":
+                return None, "none", None
+            if self.step_count < comp.warmup_steps:
+                why: Optional[str] = "warmup"
+            elif (not self._plan.active
+                    and array.size * array.dtype.itemsize < comp.min_compress_bytes):
+                why = "min_compress_bytes"
+            else:
+                why = None
+            if why is not None:
+                _build_codec_cached(self, algo, params)  # validates the name once
+                return None, "none", why
+        else:
+            algo = str(codec)
+            params = dict(comp.params) if algo == comp.algorithm else {}
+            if algo == "none":
+                return None, "none", None
+        codec_obj, key = _build_codec_cached(self, algo, params)
+        return codec_obj, key, None
+
+    def _account(self, array: Any, requested: Any, codec: Optional[Codec], key: str,
+                 why: Optional[str]) -> None:
+        """Count the bytes of one submission for the "nothing was compressed" warning."""
+        if requested is None or why == "warmup" or (codec is None and why is None):
+            return  # exact by request, warm-up by design, or the policy says "none"
+        nbytes = int(array.size) * array.dtype.itemsize
+        shape = tuple(int(d) for d in array.shape)
+        if codec is not None:
+            ck = (key, shape, str(array.dtype))
+            ratio = self._ratios.get(ck)
+            if ratio is None:
+                ratio = self._ratios[ck] = codec.compression_ratio(shape, array.dtype)
+            why = None if ratio > 1.0 else "codec"
+        name = codec.name if codec is not None else (
+            self.cfg.compression.algorithm if requested == POLICY else str(requested))
+        with self._lock:
+            acct = self._acct
+            acct["asked"] = acct.get("asked", 0) + nbytes
+            acct.setdefault("codecs", set()).add((name, requested == POLICY))
+            if why is None:
+                acct["compressed"] = acct.get("compressed", 0) + nbytes
+            else:
+                acct[why] = acct.get(why, 0) + nbytes
+
+    def _check_compressed(self) -> None:
+        """At the end of a step: warn once per job if compression was asked but hardly ran.
+
+        Logged on rank 0 when less than a tenth of the bytes submitted with a codec (or
+        under a policy naming one) was compressed, naming the setting responsible.
+        """
+        with self._lock:
+            acct, self._acct = self._acct, {}
+        asked = acct.get("asked", 0)
+        if self._warned_uncompressed or not asked or acct.get("compressed", 0) * 10 >= asked:
+            return
+        self._warned_uncompressed = True
+        if self.rank != 0:
+            return
+        comp = self.cfg.compression
+        how = ", ".join(sorted(f"compression.algorithm={n!r}" if pol else f"compression={n!r}"
+                               for n, pol in acct["codecs"]))
+        causes = []
+        if acct.get("min_compress_bytes"):
+            causes.append(
+                f"{_fmt_bytes(acct['min_compress_bytes'])} were gradients below "
+                f"compression.min_compress_bytes={comp.min_compress_bytes} (lower it, e.g. to "
+                "0, or pass compression='<codec>' to the DistributedOptimizer or hook, which "
+                "compresses every tensor it is given)")
+        if acct.get("plan"):
+            causes.append(
+                f"{_fmt_bytes(acct['plan'])} were left uncompressed by the SeCoPa plan "
+                f"(sync.plan={self.cfg.sync.plan!r}) because its cost model predicts no gain "
+                "(set sync.plan: none to follow the fixed policy)")
+        if acct.get("codec"):
+            causes.append(
+                f"{_fmt_bytes(acct['codec'])} were tensors the codec does not make smaller "
+                "(PowerSGD sends vectors and small matrices as they are; a tensor of a few "
+                "elements is outweighed by its payload header), which is expected for biases "
+                "and tiny models")
+        logger.warning(
+            "compression was asked for (%s) but step %d compressed %s of %s of gradients "
+            "(%.0f%%): %s. This warning is shown once per job",
+            how, self.step_count, _fmt_bytes(acct.get("compressed", 0)), _fmt_bytes(asked),
+            100.0 * acct.get("compressed", 0) / asked, "; ".join(causes))
 
     def _memory(self, kind: str, params: Optional[Dict[str, Any]] = None) -> Memory:
         """Return the memory of ``kind`` with ``params`` (one instance per distinct pair)."""
@@ -482,7 +625,8 @@ class Engine:
                 self._pending_local[sub.name] = sub
                 new.append([sub.name, int(sub.array.size), dtype_code(sub.array.dtype),
                             sub.codec_key, "average" if sub.average else "sum", sub.kind,
-                            sub.root, sub.strategy or "", sub.partitions or 0])
+                            sub.root, sub.strategy or "", sub.partitions or 0,
+                            _finite_flag(sub)])
             queue_empty = not self._queue
         bye = self._shutdown.is_set() and queue_empty and not self._sched.busy
         msg: Dict[str, Any] = {"new": new, "bye": bye}
@@ -552,10 +696,34 @@ class Engine:
                     "the same shape, dtype, op, compression and strategy for a name (and use "
                     "the same config and SeCoPa plan)"
                 )
-            started.append(self._pending_local.pop(name))
+            sub = self._pending_local.pop(name)
+            nonfinite = [r for r in range(self.size) if not metas[r][8]]
+            if nonfinite:
+                self._uncompress_nonfinite(sub, nonfinite)
+            started.append(sub)
         if started:
             self._start(started)
         return len(started)
+
+    def _uncompress_nonfinite(self, sub: _Submission, ranks: List[int]) -> None:
+        """Send a gradient with inf/NaN on some rank uncompressed, this step only.
+
+        Lossy codecs cannot encode inf/NaN, and error feedback would carry them into every
+        later step. Summed exactly instead, the non-finite values reach every rank (so
+        ``torch.amp.GradScaler`` and other overflow checks skip the step on all ranks
+        alike), while the residual and the codec state of this gradient stay as they were
+        and the next step compresses again. Every rank takes this decision in the same
+        negotiation round, from the flags in the table.
+        """
+        st = self.stats_table.setdefault(sub.name, {})
+        st["nonfinite_steps"] = st.get("nonfinite_steps", 0) + 1
+        log = logger.info if "nonfinite" not in self._warned else logger.debug
+        self._warned.add("nonfinite")
+        if self.rank == 0:
+            log("gradient %r has inf/NaN on rank(s) %s: sent uncompressed this step, its "
+                "residual and codec state untouched (later ones are logged at DEBUG)",
+                sub.name, ranks)
+        sub.codec, sub.codec_key, sub.partitions = None, "none", None
 
     def _next_tag(self) -> int:
         tid = self._task_id % (1 << self._tag_task_bits)
@@ -670,6 +838,18 @@ class Engine:
             logger.exception("could not write the HiPress timeline to %s", path)
 
 
+def _finite_flag(sub: _Submission) -> int:
+    """Return 0 if a compressed submission holds inf/NaN, else 1 (uncompressed: always 1).
+
+    Only gradients headed for a codec are scanned (about 1 ms per 16 MiB on one core):
+    uncompressed sums carry inf/NaN to every rank by themselves.
+    """
+    if sub.codec is None or sub.kind != "allreduce" or not sub.contributes:
+        return 1
+    xp = array_module(sub.array)
+    return int(bool(xp.isfinite(sub.array).all()))
+
+
 def _round_interval(cycle_s: float, idle_rounds: int) -> float:
     """Seconds between negotiation rounds after ``idle_rounds`` rounds without new names.
 
@@ -695,6 +875,27 @@ def _codec_key(name: str, params: Dict[str, Any]) -> str:
 def _split_key(key: str) -> Tuple[str, Dict[str, Any]]:
     name, _, params = key.partition("?")
     return name, (json.loads(params) if params else {})
+
+
+def _build_codec_cached(engine: Engine, algo: str,
+                        params: Dict[str, Any]) -> Tuple[Codec, str]:
+    """Return the engine's codec for ``(algo, params)`` (built and bound on first use)."""
+    key = _codec_key(algo, params)
+    codec = engine._codecs.get(key)
+    if codec is None:
+        codec = _build_codec(algo, params)
+        codec.bind(engine.rank, engine.size)
+        with engine._lock:
+            codec = engine._codecs.setdefault(key, codec)
+    return codec, key
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} GiB"
 
 
 def _build_codec(algo: str, params: Dict[str, Any]) -> Codec:

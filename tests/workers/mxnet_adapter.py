@@ -73,6 +73,13 @@ class MXDriver(suite.Driver):
         return MXTrainer(prefix, init, compression, backward_passes_per_step, op, lr, momentum,
                          codec_params)
 
+    def allreduce(self, array, name, op="average", compression=None):
+        return hp.allreduce(mx.nd.array(array), name=name, op=op,
+                            compression=compression).asnumpy()
+
+    def broadcast(self, array, root, name):
+        return hp.broadcast(mx.nd.array(array), root, name=name).asnumpy()
+
 
 def _param(name, value):
     p = gluon.Parameter(name, shape=np.shape(value), dtype="float32")

@@ -103,6 +103,15 @@ class TFDriver(suite.Driver):
         return TFTrainer(self.graph, f"{prefix}.{mode}", init, compression,
                          backward_passes_per_step, op, lr, momentum, codec_params)
 
+    def allreduce(self, array, name, op="average", compression=None):
+        def fn(t):
+            return hp.allreduce(t, name=name, op=op, compression=compression)
+
+        return (tf.function(fn) if self.graph else fn)(tf.constant(array)).numpy()
+
+    def broadcast(self, array, root, name):
+        return hp.broadcast(tf.constant(array), root, name=name).numpy()
+
 
 DRIVERS = {"eager": TFDriver(False), "graph": TFDriver(True)}
 

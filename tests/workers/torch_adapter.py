@@ -13,7 +13,6 @@ import copy
 import io
 import os
 import sys
-import traceback
 
 import numpy as np
 import torch
@@ -21,8 +20,76 @@ import torch
 import hipress
 import hipress.torch as hp
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import behaviour_suite as suite  # noqa: E402
+
 torch.set_num_threads(1)
 CASES = {}
+
+
+# ------------------------------------------------------------ behaviour-suite driver
+class TorchTrainer(suite.Trainer):
+    def __init__(self, prefix, init, compression, backward_passes_per_step, op, lr, momentum,
+                 codec_params):
+        self.prefix = prefix
+        self.params_ = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in init.items()}
+        self.opt = hp.DistributedOptimizer(
+            torch.optim.SGD(list(self.params_.values()), lr=lr, momentum=momentum),
+            named_parameters=[(self.engine_name(k), p) for k, p in self.params_.items()],
+            compression=compression, backward_passes_per_step=backward_passes_per_step,
+            op=op, **codec_params)
+        self._grads = {}
+
+    def engine_name(self, key):
+        return f"{self.prefix}.{key}"
+
+    def step(self, passes):
+        self.opt.zero_grad()
+        for grads in passes:
+            loss = sum((self.params_[k] * torch.tensor(g)).sum() for k, g in grads.items())
+            loss.backward()
+        self.opt.step()
+        self._grads = {k: p.grad.detach().numpy().copy() for k, p in self.params_.items()}
+
+    def grads(self):
+        return self._grads
+
+    def params(self):
+        return {k: p.detach().numpy().copy() for k, p in self.params_.items()}
+
+    def save(self):
+        buf = io.BytesIO()
+        torch.save({"params": self.params(), "opt": self.opt.state_dict()}, buf)
+        return buf.getvalue()
+
+    def load(self, checkpoint):
+        state = torch.load(io.BytesIO(checkpoint), weights_only=False)
+        with torch.no_grad():
+            for k, v in state["params"].items():
+                self.params_[k].copy_(torch.tensor(v))
+        self.opt.load_state_dict(state["opt"])
+
+    def close(self):
+        self.opt.remove_hooks()
+
+
+class TorchDriver(suite.Driver):
+    framework = "torch"
+
+    def build(self, prefix, init, compression="none", backward_passes_per_step=1,
+              op="average", lr=0.0, momentum=0.0, **codec_params):
+        return TorchTrainer(f"{prefix}.torch", init, compression, backward_passes_per_step,
+                            op, lr, momentum, codec_params)
+
+    def allreduce(self, array, name, op="average", compression=None):
+        return hp.allreduce(torch.tensor(array), name=name, op=op,
+                            compression=compression).numpy()
+
+    def broadcast(self, array, root, name):
+        return hp.broadcast(torch.tensor(array), root, name=name).numpy()
+
+
+DRIVERS = {"torch": TorchDriver()}
 
 
 def case(fn):
@@ -363,42 +430,149 @@ def loss_falls_every_codec():
 @case
 def ddp_hook():
     """DDP with the HiPress comm hook (gloo group) averages the buckets exactly."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     size, rank = hp.size(), hp.rank()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(size)
-    dist.init_process_group("gloo")
-    try:
-        base = _int_model(3)
-        total = None
-        for r in range(size):
-            m = copy.deepcopy(base)
-            _loss(m, _int_batch(r)).backward()
-            grads = [p.grad.clone() for p in m.parameters()]
-            total = grads if total is None else [a + b for a, b in zip(total, grads)]
-        ref = [t / size for t in total]
-        model = DDP(copy.deepcopy(base), bucket_cap_mb=0.0001)  # several buckets
-        model.register_comm_hook(hp.DDPHookState(model), hp.make_ddp_hook("none"))
-        for _ in range(3):  # the 2nd iteration runs on rebuilt buckets
-            model.zero_grad()
-            _loss(model, _int_batch(rank)).backward()
-            for p, want in zip(model.parameters(), ref):
-                assert torch.equal(p.grad, want), (p.grad, want)
-        names = [n for n in hipress.stats() if n.startswith("ddp.bucket")]
-        assert names, hipress.stats().keys()
-        # a compressed hook runs too (fp16 of small integers is exact)
-        model2 = DDP(copy.deepcopy(base))
-        model2.register_comm_hook(hp.DDPHookState(model2, prefix="ddp16"),
-                                  hp.make_ddp_hook("fp16"))
-        model2.zero_grad()
-        _loss(model2, _int_batch(rank)).backward()
-        for p, want in zip(model2.parameters(), ref):
+    _ddp_group()
+    base = _int_model(3)
+    total = None
+    for r in range(size):
+        m = copy.deepcopy(base)
+        _loss(m, _int_batch(r)).backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    ref = [t / size for t in total]
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=0.0001)  # several buckets
+    model.register_comm_hook(hp.DDPHookState(model, prefix="ddp"), hp.make_ddp_hook("none"))
+    for _ in range(3):  # the 2nd iteration runs on rebuilt buckets
+        model.zero_grad()
+        _loss(model, _int_batch(rank)).backward()
+        for p, want in zip(model.parameters(), ref):
             assert torch.equal(p.grad, want), (p.grad, want)
-    finally:
-        dist.destroy_process_group()
+    names = [n for n in hipress.stats() if n.startswith("ddp.0.")]
+    assert names, hipress.stats().keys()
+    # a compressed hook runs too (fp16 of small integers is exact)
+    model2 = DDP(copy.deepcopy(base))
+    model2.register_comm_hook(hp.DDPHookState(model2, prefix="ddp16"),
+                              hp.make_ddp_hook("fp16"))
+    model2.zero_grad()
+    _loss(model2, _int_batch(rank)).backward()
+    for p, want in zip(model2.parameters(), ref):
+        assert torch.equal(p.grad, want), (p.grad, want)
+
+
+@case
+def gradscaler_overflow():
+    """GradScaler: one rank overflows once -> step skipped on every rank, scale halves,
+    training goes on and parameters stay bit-identical (also with 2 accumulated passes)."""
+    rank, size = hp.rank(), hp.size()
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    for bpps in (1, 2):
+        model = copy.deepcopy(base)
+        opt = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                      named_parameters=prefixed(model, f"amp{bpps}"),
+                                      compression="onebit", backward_passes_per_step=bpps)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+        gen = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            opt.zero_grad()
+            for p in range(bpps):
+                x, t = torch.randn(8, 32, generator=gen), torch.randn(8, 4, generator=gen)
+                if step == 1 and p == 0 and rank == size - 1:
+                    x[0, 0] = float("inf")  # this rank's gradients overflow, once
+                scaler.scale(((model(x) - t) ** 2).mean()).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            before = [q.detach().clone() for q in model.parameters()]
+            scale = scaler.get_scale()
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+            after = [q.detach().clone() for q in model.parameters()]
+            moved = any(not torch.equal(a, b) for a, b in zip(before, after))
+            if step == 1:
+                assert not moved, f"bpps {bpps}: the overflowed step was applied on rank {rank}"
+                assert scaler.get_scale() == scale / 2, (scaler.get_scale(), scale)
+            else:
+                assert moved, f"bpps {bpps} step {step}: no update"
+                assert scaler.get_scale() == scale, (step, scaler.get_scale(), scale)
+            assert all(torch.isfinite(q).all() for q in after), f"bpps {bpps} step {step}"
+            root = hp.broadcast_object(after if rank == 0 else None, 0,
+                                       name=f"amp{bpps}.eq{step}")
+            assert all(torch.equal(a, b) for a, b in zip(after, root)), f"step {step} diverged"
+        opt.remove_hooks()
+
+
+def _ddp_group():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("RANK", str(hp.rank()))
+        os.environ.setdefault("WORLD_SIZE", str(hp.size()))
+        dist.init_process_group("gloo")
+    return dist
+
+
+@case
+def ddp_powersgd_per_parameter():
+    """The README recipe make_ddp_hook(compression="powersgd", rank=1) compresses each
+    weight matrix (a conv kernel as (out, in*kh*kw)); ratio > 10 with a 1024x1024 layer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist = _ddp_group()
+    rank = hp.rank()
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 1024),
+        torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    ddp = DDP(model)
+    ddp.register_comm_hook(hp.DDPHookState(ddp, prefix="psgd"),
+                           hp.make_ddp_hook(compression="powersgd", rank=1))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        opt.zero_grad()
+        x, t = torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+        torch.nn.functional.cross_entropy(ddp(x), t).backward()
+        opt.step()
+    stats = {n: st for n, st in hipress.stats().items() if n.startswith("psgd.")}
+    assert set(stats) == {f"psgd.{n}" for n, _ in model.named_parameters()}, sorted(stats)
+    for n in ("0.weight", "2.weight", "4.weight", "6.weight"):
+        assert stats[f"psgd.{n}"]["codec"] == "powersgd", (n, stats[f"psgd.{n}"])
+    assert stats["psgd.4.weight"]["compression_ratio"] > 400, stats["psgd.4.weight"]
+    assert stats["psgd.0.weight"]["compression_ratio"] > 1.5, stats["psgd.0.weight"]
+    assert stats["psgd.4.bias"]["compression_ratio"] <= 1.0, stats["psgd.4.bias"]
+    raw = sum(st["raw_bytes"] for st in stats.values())
+    payload = sum(st["payload_bytes"] for st in stats.values())
+    if rank == 0:
+        print(f"DDP_POWERSGD_RATIO {raw / payload:.1f}", flush=True)
+    assert raw / payload > 10, (raw, payload)
+    params = [q.detach().clone() for q in model.parameters()]
+    root = hp.broadcast_object(params if rank == 0 else None, 0, name="psgd.eq")
+    assert all(torch.equal(a, b) for a, b in zip(params, root)), "ranks diverged"
+    dist.barrier()
+
+
+@case
+def ddp_rules_on_parameter_names():
+    """Under the policy, compression.rules match the DDP hook's parameter names."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hipress.config import CompressionRule
+
+    _ddp_group()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp = DDP(model)
+    ddp.register_comm_hook(hp.DDPHookState(ddp, prefix="rules"), hp.make_ddp_hook())
+    rules = [CompressionRule(pattern="*.bias", algorithm="none")]
+    with suite.policy(algorithm="onebit", min_compress_bytes=0, rules=rules, params={}):
+        ddp(torch.randn(4, 16)).sum().backward()
+    stats = hipress.stats()
+    for n, _ in model.named_parameters():
+        want = "none" if n.endswith("bias") else "onebit"
+        assert stats[f"rules.{n}"]["codec"] == want, (n, stats[f"rules.{n}"])
 
 
 # ----------------------------------------------------------------------------- main
@@ -406,17 +580,9 @@ def main():
     names = sys.argv[1].split(",")
     hp.init({"compression": {"min_compress_bytes": 0}, "sync": {"stall_timeout_s": 20},
              "logging": {"level": "WARNING"}})
-    failed = False
-    for name in names:
-        try:
-            CASES[name]()
-        except Exception:  # noqa: BLE001
-            failed = True
-            print(f"FAIL {name} rank {hp.rank()}\n{traceback.format_exc()}", flush=True)
-        else:
-            print(f"PASS {name} rank {hp.rank()}", flush=True)
+    status = suite.run_cases(names, DRIVERS, CASES)
     hp.shutdown()
-    sys.exit(1 if failed else 0)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
