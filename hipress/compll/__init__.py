@@ -23,7 +23,12 @@ reductions, filters and bit packing into passes) -> :mod:`~hipress.compll.cpu` /
 
 from __future__ import annotations
 
-from hipress.compll.errors import CompLLError, CompLLSyntaxError, CompLLTypeError
+from hipress.compll.errors import (
+    CompLLError,
+    CompLLSyntaxError,
+    CompLLTypeError,
+    UnsafeCacheError,
+)
 from hipress.compll.loader import (
     build_sources,
     builtin_spec_paths,
@@ -40,6 +45,7 @@ __all__ = [
     "CompLLError",
     "CompLLSyntaxError",
     "CompLLTypeError",
+    "UnsafeCacheError",
     "build_sources",
     "builtin_spec_paths",
     "cache_dir",
