@@ -602,6 +602,51 @@ def test_unsafe_cache_directories_are_refused(tmp_path, monkeypatch):
         assert f"run 'chown 0 {root}' as its owner or root" in str(info.value)
 
 
+def test_codec_registry_does_not_import_compll(tmp_path):
+    import ast
+
+    codecs_dir = os.path.join(REPO, "hipress", "codecs")
+    for fname in sorted(os.listdir(codecs_dir)):
+        if not fname.endswith(".py"):
+            continue
+        with open(os.path.join(codecs_dir, fname)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                mods = [node.value]  # importlib.import_module("hipress.compll")
+            else:
+                continue
+            assert not any(m.startswith("hipress.compll") for m in mods), (fname, mods)
+    code = textwrap.dedent("""\
+        import sys
+        import numpy as np
+        import hipress.codecs as hc
+        print("after import", "hipress.compll" in sys.modules)
+        c = hc.get_codec("compll.onebit")
+        from hipress.compll import codec_id_for
+        x = np.linspace(-1, 1, 33, dtype=np.float32)
+        same = hc.get_codec("onebit").encode(x, "g").sections[0].tobytes() == \\
+            c.encode(x, "g").sections[0].tobytes()
+        print(type(c).__name__, c.codec_id == codec_id_for("onebit"), same)
+        try:
+            hc.get_codec("compll.../specs/onebit")
+        except Exception as e:
+            print(type(e).__name__, str(e))
+        """)
+    out = _run_py(code, tmp_path).stdout.splitlines()
+    assert out[0] == "after import False"
+    assert out[1] == "CompLL_onebit True True"
+    assert out[2].startswith("CodecError unknown codec 'compll.../specs/onebit'; valid codecs: ")
+    valid = out[2].split("valid codecs: ")[1].split(", ")
+    assert {"compll.onebit", "compll.tbq", "onebit", "topk"} <= set(valid)
+    assert compll.spec_path_for("compll.../specs/onebit") is None
+    assert compll.spec_path_for("compll.onebit").endswith(os.path.join("specs", "onebit.hpc"))
+
+
 # ----------------------------------------------------------------------------- CUDA
 NVCC = shutil.which("nvcc")
 

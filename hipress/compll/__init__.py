@@ -3,7 +3,9 @@
 Part three of HiPress (Bai et al., SOSP'21, section 5): an algorithm is written as an
 ``encode`` and a ``decode`` function over a gradient in a few dozen lines (a ``.hpc``
 spec); the generator lowers it to fused CPU kernels (Numba) and CUDA kernels (CuPy) and
-registers a codec ``compll.<name>`` that every adapter can use by name.
+registers a codec ``compll.<name>`` that every adapter can use by name. Importing this
+package installs the registry's loader for ``compll.*`` names (the registry itself never
+imports CompLL), so ``get_codec("compll.onebit")`` compiles or loads the shipped spec.
 
 >>> from hipress import compll
 >>> cls = compll.load_spec("my_algorithm.hpc")      # compiled, cached, registered
@@ -34,12 +36,15 @@ from hipress.compll.loader import (
     builtin_spec_paths,
     cache_dir,
     codec_id_for,
+    install_codec_loader,
     load_source,
     load_spec,
     register_builtin_specs,
     resolve_algorithm,
     spec_path_for,
 )
+
+install_codec_loader()
 
 __all__ = [
     "CompLLError",

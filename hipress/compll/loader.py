@@ -33,7 +33,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 import numpy as np
 
 from hipress.backend import array_module
-from hipress.codecs.base import Codec, Layout, register_codec, registered_codec
+from hipress.codecs.base import (
+    Codec,
+    Layout,
+    register_codec,
+    register_codec_loader,
+    registered_codec,
+)
 from hipress.codecs.state import SeededStreamMixin, check_seed
 from hipress.compll import runtime as _rt
 from hipress.compll.errors import UnsafeCacheError
@@ -44,6 +50,8 @@ logger = logging.getLogger(__name__)
 SPEC_DIR = os.path.join(os.path.dirname(__file__), "specs")
 #: Codec ids of generated codecs lie in [ID_MIN, ID_MAX): above the hand-written ones.
 ID_MIN, ID_MAX = 1000, 65000
+#: A codec name as the grammar and the checker allow it (``codec <name> {...}``).
+_SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 _LOCK = threading.RLock()
 _BY_DIGEST: Dict[str, Type[Codec]] = {}
@@ -479,6 +487,31 @@ def register_builtin_specs() -> List[str]:
     return [load_spec(p).name for p in builtin_spec_paths()]
 
 
+_ALL_BUILTIN_LOADED = False
+
+
+def _load_builtin(name: str) -> None:
+    path = spec_path_for(name)
+    if path is not None:
+        load_spec(path)
+
+
+def _load_all_builtin() -> None:
+    global _ALL_BUILTIN_LOADED
+    if not _ALL_BUILTIN_LOADED:
+        register_builtin_specs()
+        _ALL_BUILTIN_LOADED = True
+
+
+def install_codec_loader() -> None:
+    """Install the codec registry's loader of ``compll.<name>``: the shipped spec ``<name>``.
+
+    Done when :mod:`hipress.compll` is imported; a name with no shipped spec is left to the
+    registry's "unknown codec" error.
+    """
+    register_codec_loader("compll.", _load_builtin, _load_all_builtin)
+
+
 def resolve_algorithm(algorithm: str) -> str:
     """Return the registered codec name for a config's ``compression.algorithm``.
 
@@ -498,7 +531,13 @@ def resolve_algorithm(algorithm: str) -> str:
 
 
 def spec_path_for(name: str) -> Optional[str]:
-    """Return the shipped spec file of ``name`` (``onebit`` or ``compll.onebit``), if any."""
+    """Return the shipped spec file of ``name`` (``onebit`` or ``compll.onebit``), if any.
+
+    Only codec names (lower case letters, digits and '_') are looked up, so a name such as
+    ``compll.../x`` never reaches outside the shipped specs.
+    """
     short = name.split(".", 1)[1] if name.startswith("compll.") else name
+    if not _SPEC_NAME.fullmatch(short):
+        return None
     path = os.path.join(SPEC_DIR, f"{short}.hpc")
     return path if os.path.isfile(path) else None
