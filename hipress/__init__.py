@@ -30,6 +30,26 @@ from hipress.api import (  # noqa: E402
 )
 from hipress.engine import POLICY, Handle  # noqa: E402
 
+
+def _install_codec_loaders() -> None:
+    """Send ``compll.*`` codec names to :mod:`hipress.compll`, imported on the first one.
+
+    The codec registry does not import CompLL (CompLL builds on it); this stand-in loader
+    only imports ``hipress.compll``, whose import installs the real loader, which the
+    registry then asks in turn.
+    """
+    import importlib
+
+    from hipress.codecs.base import register_codec_loader
+
+    def _import_compll(*_: object) -> None:
+        importlib.import_module("hipress.compll")
+
+    register_codec_loader("compll.", _import_compll, _import_compll)
+
+
+_install_codec_loaders()
+
 __all__ = [
     "POLICY",
     "Handle",

@@ -20,6 +20,12 @@ settings from them (see :mod:`hipress.config`). They also receive torch.distribu
 ``MASTER_PORT``, so ``init_process_group("gloo")`` with the default ``env://`` works as
 under ``torchrun``.
 
+``--network-interface`` (or ``cluster.network_interface``) must name interfaces of the
+launching host, checked before anything starts: ``mpirun`` runs here and uses them for
+its own out-of-band channel even when every rank is remote. A comma-separated list is
+checked item by item; a subnet in CIDR form (``10.0.0.0/24``, which Open MPI accepts for
+hosts whose interface names differ) is passed on unchecked.
+
 Exit status: 0 on success; 2 for usage and configuration errors (nothing launched); the
 failed rank's status when the job fails; 128 + N when stopped by signal N.
 """
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shlex
 import socket
 import sys
@@ -45,9 +52,19 @@ from hipress.launch.hosts import (
 )
 from hipress.launch.runner import LaunchSpec, detect_mpi, env_assignments
 
-__all__ = ["build_parser", "main", "parse_env_args", "resolve_spec"]
+__all__ = ["build_parser", "check_network_interface", "main", "parse_env_args", "resolve_spec"]
 
 logger = logging.getLogger("hipress.launch")
+
+_INT = re.compile(r"-?[0-9]+")
+_CIDR = re.compile(r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}/[0-9]{1,2}")
+
+
+def _ascii_int(text: str) -> int:
+    """Parse a count or port for argparse: ASCII digits only (``int`` also takes ``١٢``)."""
+    if not _INT.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected a whole number (digits 0-9), got {text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,13 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Precedence: defaults < --config YAML < command line. Output lines are "
         "prefixed with [RANK]. Exit status 2 means a usage or configuration error.",
     )
-    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=_ascii_int, metavar="N",
                    help="number of ranks (default: cluster.np of --config, or SLURM_NTASKS)")
     p.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
                    help="comma-separated hosts with slots, e.g. localhost:2,10.0.0.3:1")
     p.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile (HOST slots=N lines)")
-    p.add_argument("--network-interface", metavar="IF", help="network interface, e.g. eth0")
-    p.add_argument("--ssh-port", type=int, metavar="P", help="ssh port of the remote hosts")
+    p.add_argument("--network-interface", metavar="IF",
+                   help="network interface(s) of MPI traffic, e.g. eth0; must exist on this "
+                   "host (or give a subnet such as 10.0.0.0/24)")
+    p.add_argument("--ssh-port", type=_ascii_int, metavar="P",
+                   help="ssh port of the remote hosts")
     p.add_argument("-x", "--env", dest="env", action="append", default=[],
                    metavar="NAME[=VALUE]",
                    help="forward a variable to the workers (its current value if no =VALUE); "
@@ -110,6 +130,33 @@ class _UsageError(Exception):
     """A usage or configuration problem: reported on stderr, exit status 2."""
 
 
+def check_network_interface(value: str, available: Optional[Sequence[str]] = None) -> None:
+    """Refuse network interfaces that do not exist on this (the launching) host.
+
+    Args:
+        value: ``--network-interface``: one name, or a comma-separated list; items in
+            CIDR form (``10.0.0.0/24``) are not checked.
+        available: the interface names of this host; None means
+            :func:`socket.if_nameindex`.
+
+    Raises:
+        _UsageError: an empty item, or a name this host does not have (the message lists
+            the ones it has).
+    """
+    if available is None:
+        available = [name for _, name in socket.if_nameindex()]
+    for item in value.split(","):
+        if _CIDR.fullmatch(item):
+            continue
+        if not item or item not in available:
+            raise _UsageError(
+                f"network interface {item!r} does not exist on this host "
+                f"({socket.gethostname()}); interfaces here: {', '.join(available) or 'none'}. "
+                "mpirun uses it on this host too, so name one of these, or give a subnet such "
+                "as 10.0.0.0/24 when the hosts' interface names differ"
+            )
+
+
 def resolve_spec(
     args: argparse.Namespace,
     cfg: Optional[HiPressConfig],
@@ -120,11 +167,12 @@ def resolve_spec(
     Steps: 1. the command: the line's, else ``job.command + job.args``; 2. np: ``-np``,
     else ``cluster.np`` when the file sets it, else the Slurm task count; 3. hosts:
     ``-H``/``--hostfile``, else ``cluster.hosts``/``cluster.hostfile``, else the Slurm
-    allocation, else localhost; 4. interface and ssh port: the line's, else the YAML's;
-    5. env: ``cluster.env`` then ``-x`` then ``HIPRESS_CONFIG``/``HIPRESS_TIMELINE``;
-    6. torch.distributed's rendezvous: ``MASTER_ADDR`` and ``MASTER_PORT`` from the
-    launcher's environment when set, else :func:`master_address` and :func:`free_port`
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` are set per rank by
+    allocation, else localhost; 4. interface and ssh port: the line's, else the YAML's
+    (the interface checked by :func:`check_network_interface`); 5. env: ``cluster.env``
+    then ``-x`` then ``HIPRESS_CONFIG``/``HIPRESS_TIMELINE``; 6. torch.distributed's
+    rendezvous: ``MASTER_ADDR`` and ``MASTER_PORT`` from the launcher's environment when
+    set, else :func:`master_address` and :func:`free_port` (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` are set per rank by
     :data:`hipress.launch.runner.RANK_ENV_WRAPPER`).
     Relative paths (hostfile, config, timeline) are relative to the current directory,
     like the job's command, and are made absolute for the workers.
@@ -135,7 +183,8 @@ def resolve_spec(
         environ: the launcher's environment (for ``-x NAME`` and Slurm).
 
     Raises:
-        _UsageError: conflicting or missing options.
+        _UsageError: conflicting or missing options, or a network interface this host
+            does not have.
         ConfigError: malformed hosts, hostfile or Slurm variables.
     """
     cluster = cfg.cluster if cfg is not None else None
@@ -179,6 +228,8 @@ def resolve_spec(
         raise _UsageError(f"-np must be >= 1, got {np_}")
     # 4. network
     iface = args.network_interface or (cluster.network_interface if cluster else None)
+    if iface is not None:
+        check_network_interface(iface)
     ssh_port = args.ssh_port if args.ssh_port is not None else (
         cluster.ssh_port if cluster else None)
     if ssh_port is not None and not 1 <= ssh_port <= 65535:

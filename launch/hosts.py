@@ -1,4 +1,4 @@
-"""Host lists for ``hipressrun``: ``-H`` specs, hostfiles and Slurm allocations.
+r"""Host lists for ``hipressrun``: ``-H`` specs, hostfiles and Slurm allocations.
 
 Everything here is pure parsing: nothing connects to a host. Three sources give a list of
 :class:`Host` (name and slot count):
@@ -11,7 +11,9 @@ Everything here is pure parsing: nothing connects to a host. Three sources give 
   ``SLURM_TASKS_PER_NODE`` (``2(x3),1``).
 
 Host names are checked so that nothing reaches ``mpirun`` that it could read as an
-option (a leading ``-``) or that a remote shell could interpret.
+option (a leading ``-``) or that a remote shell could interpret. Names, addresses and
+counts are matched whole (a trailing newline is refused) and in ASCII: digits are
+``[0-9]``, not ``\d`` or :meth:`str.isdigit`, which accept ``²`` or Arabic-Indic digits.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ __all__ = [
     "total_slots",
 ]
 
-# Letters, digits, '_', '.', '-'; must start and end with a letter, digit or '_'.
-_HOSTNAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
-_IPV4 = re.compile(r"^\d{1,3}(?:\.\d{1,3}){3}$")
+# Letters, digits, '_', '.', '-'; must start and end with a letter, digit or '_'. All
+# patterns are used with fullmatch (``$`` would accept a trailing newline).
+_HOSTNAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+_IPV4 = re.compile(r"[0-9]{1,3}(?:\.[0-9]{1,3}){3}")
+_COUNT = re.compile(r"[0-9]+")
+_TASKS = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 _LOCAL_NAMES = ("localhost", "localhost.localdomain", "127.0.0.1", "::1")
 
 
@@ -66,11 +71,11 @@ class Host:
 def _check_name(name: str, where: str) -> str:
     if not name:
         raise HostError(f"{where}: empty host name")
-    if _IPV4.match(name):
+    if _IPV4.fullmatch(name):
         if any(int(octet) > 255 for octet in name.split(".")):
             raise HostError(f"{where}: {name!r} is not a valid IPv4 address")
         return name
-    if not _HOSTNAME.match(name):
+    if not _HOSTNAME.fullmatch(name):
         raise HostError(
             f"{where}: invalid host name {name!r}; use a hostname (letters, digits, '-', '.', "
             "'_', not starting with '-') or an IPv4 address"
@@ -79,8 +84,8 @@ def _check_name(name: str, where: str) -> str:
 
 
 def _check_slots(text: str, where: str) -> int:
-    if not text.isdigit():
-        raise HostError(f"{where}: slots must be a whole number >= 1, got {text!r}")
+    if not _COUNT.fullmatch(text):
+        raise HostError(f"{where}: slots must be a whole number >= 1 (digits 0-9), got {text!r}")
     slots = int(text)
     if slots < 1:
         raise HostError(f"{where}: a host needs at least 1 slot, got {slots}")
@@ -155,14 +160,22 @@ def parse_hostfile(path: str) -> List[Host]:
         The hosts in file order.
 
     Raises:
-        HostError: the file cannot be read, has no host, or a line is malformed (the
-            message gives ``path:line``).
+        HostError: the file cannot be read, is not UTF-8 text, has no host, or a line is
+            malformed (the message gives ``path:line``).
     """
     try:
-        with open(path, encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
+        with open(path, "rb") as fh:
+            data = fh.read()
     except OSError as exc:
         raise HostError(f"cannot read hostfile {path!r}: {exc.strerror or exc}") from None
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise HostError(
+            f"{path}:{lineno}: hostfile is not UTF-8 text (byte 0x{data[exc.start]:02x}); "
+            "write it as plain text, one 'HOST slots=N' per line"
+        ) from None
     hosts = []
     for lineno, raw in enumerate(lines, start=1):
         line = raw.split("#", 1)[0].strip()
@@ -228,7 +241,7 @@ def _split_top_level(text: str) -> List[str]:
 
 
 def _expand_item(item: str, whole: str) -> List[str]:
-    m = re.match(r"^([^\[\]]*)\[([^\[\]]+)\](.*)$", item)
+    m = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\](.*)", item, re.DOTALL)
     if m is None:
         if "[" in item or "]" in item or not item:
             raise HostError(f"malformed Slurm node list {whole!r} near {item!r}")
@@ -238,7 +251,7 @@ def _expand_item(item: str, whole: str) -> List[str]:
     out = []
     for part in ranges.split(","):
         lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()):
+        if not _COUNT.fullmatch(lo) or (dash and not _COUNT.fullmatch(hi)):
             raise HostError(f"malformed Slurm node range {part!r} in {whole!r}")
         if dash:
             if int(hi) < int(lo):
@@ -275,7 +288,7 @@ def expand_tasks_per_node(spec: str) -> List[int]:
     """
     out: List[int] = []
     for item in spec.strip().split(","):
-        m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", item.strip())
+        m = _TASKS.fullmatch(item.strip())
         if m is None:
             raise HostError(f"malformed Slurm tasks-per-node {spec!r} near {item!r}")
         out.extend([int(m.group(1))] * int(m.group(2) or 1))
@@ -316,7 +329,7 @@ def slurm_allocation(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[
     hosts = [Host(_check_name(n, "Slurm node list"), s) for n, s in zip(names, slots) if s > 0]
     ntasks_text = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS")
     if ntasks_text:
-        if not ntasks_text.isdigit() or int(ntasks_text) < 1:
+        if not _COUNT.fullmatch(ntasks_text) or int(ntasks_text) < 1:
             raise HostError(f"Slurm allocation: SLURM_NTASKS={ntasks_text!r} is not a count")
         ntasks = int(ntasks_text)
     else:

@@ -34,6 +34,11 @@ _FAILURES = (
     # Open MPI 4/5: "...exited with non-zero status... Process name: [prterun-x@1,2]
     #                Exit code:    1"
     (re.compile(r"Process name:\s*\[[^\]]*?,(\d+)\]\s*Exit code:\s*(-?\d+)"), "exit code"),
+    # Open MPI 5 (prterun) and 4 (mpirun), a rank that exits, even with status 0, after
+    # MPI_Init but without MPI_Finalize (os._exit): "prterun has exited due to process rank
+    # 1 with PID 7559 on node vm exiting improperly."
+    (re.compile(r"process\s+rank\s+([0-9]+)\s+with\s+PID\s+[0-9]+\s+on\s+node\s+\S+\s+exiting"
+                r"\s+improperly"), "improper"),
     # Open MPI: "process rank 0 with PID 5699 on node vm exited on signal 9 (Killed)."
     (re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)"),
      "signal"),
@@ -51,9 +56,18 @@ def rewrite_tag(line: bytes) -> bytes:
 
 
 def describe_failure(untagged_output: str) -> Optional[str]:
-    """Return ``"rank R failed (exit code N)"`` from the launcher's own report, or None."""
+    """Return which rank failed and how, from the launcher's own report, or None.
+
+    Returns:
+        ``"rank R failed (exit code N)"``, ``"rank R failed (signal N)"``, or ``"rank R
+        failed (exited without finalizing MPI, e.g. os._exit())"`` for a rank that ended
+        after ``MPI_Init`` without ``MPI_Finalize`` (whatever its status); None when the
+        output names no rank.
+    """
     for pattern, what in _FAILURES:
         m = pattern.search(untagged_output)
+        if m and what == "improper":
+            return f"rank {m.group(1)} failed (exited without finalizing MPI, e.g. os._exit())"
         if m:
             return f"rank {m.group(1)} failed ({what} {m.group(2)})"
     return None

@@ -446,7 +446,205 @@ def test_disk_cache_hit_in_a_new_process(tmp_path):
     entries = os.listdir(tmp_path / "cache" / "compll")
     assert len(entries) == 1 and entries[0].startswith("cachetest-")
     assert sorted(os.listdir(tmp_path / "cache" / "compll" / entries[0])) == [
-        "cachetest.hpc", "codec.py", "kernels.cu", "plan.txt"]
+        "cachetest.hpc", "codec.py", "codec.sha256", "kernels.cu", "plan.txt"]
+
+
+# ------------------------------------------------------------- hardening (issue #12)
+EVIL_FILE = 'a""";__import__("os").system("touch X");"""b.hpc'
+with open(os.path.join(REPO, "hipress", "compll", "specs", "onebit.hpc")) as _f:
+    ONEBIT_TEXT = _f.read()
+with open(os.path.join(REPO, "hipress", "compll", "specs", "tbq.hpc")) as _f:
+    TBQ_TEXT = _f.read()
+
+LOAD_AND_ENCODE = """\
+import sys
+import numpy as np
+from hipress import compll
+from hipress.codecs import get_codec
+from hipress.compll import loader
+cls = compll.load_spec(sys.argv[1])
+x = np.linspace(-3, 2, 101, dtype=np.float32)
+p = cls().encode(x, "g")
+ref = get_codec("onebit").encode(x, "g")
+same = [a.tobytes() == b.tobytes() for a, b in zip(p.sections, ref.sections)]
+stats = loader.cache_stats()
+spec_file = getattr(cls.spec, "SPEC_FILE", None)
+print(cls.name, repr(spec_file), all(same), len(same), stats["generated"], stats["disk_hits"],
+      sep="\\t")
+"""
+
+
+def _run_py(code, tmp_path, *args):
+    env = dict(os.environ, HIPRESS_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=REPO)
+    res = subprocess.run([sys.executable, "-c", code, *args], cwd=str(tmp_path), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_spec_file_name_cannot_inject_code(tmp_path):
+    spec = tmp_path / EVIL_FILE
+    spec.write_text(ONEBIT_TEXT.replace("codec onebit", "codec evilname"))
+    first = _run_py(LOAD_AND_ENCODE, tmp_path, str(spec))   # generated
+    second = _run_py(LOAD_AND_ENCODE, tmp_path, str(spec))  # from the disk cache
+    assert not (tmp_path / "X").exists()
+    assert first.stdout.split("\t") == ["compll.evilname", repr(EVIL_FILE), "True", "2", "1",
+                                        "0\n"]
+    assert second.stdout.split("\t") == ["compll.evilname", repr(EVIL_FILE), "True", "2", "0",
+                                         "1\n"]
+    (entry,) = os.listdir(tmp_path / "cache" / "compll")
+    text = (tmp_path / "cache" / "compll" / entry / "codec.py").read_text()
+    assert f"SPEC_FILE = {EVIL_FILE!r}\n" in text
+    assert "touch X" not in text.split("SPEC_FILE = ")[0]  # not in the docstring
+
+
+def test_generated_names_are_checked_and_values_written_as_literals():
+    from hipress.compll.codegen import check_identifier, generate, py_literal
+
+    values = ["'''", '"""', "a\\b\n\x00", "\u00e9", "\\", "'", "x'''\\", 1e-300, -0.0, 7,
+              True, None, float("inf"), -float("inf"), {"k": [1.5, float("inf"), ("t",)]}]
+    for v in values:
+        back = eval(py_literal(v), {})  # noqa: S307 - the point of the test
+        assert back == v and type(back) is type(v) and repr(back) == repr(v)
+    assert py_literal(float("inf")) == "float('inf')"
+    assert np.isnan(eval(py_literal(float("nan")), {}))  # noqa: S307
+    assert check_identifier("threshold", "parameter") == "threshold"
+    src = ONEBIT_TEXT.replace("codec onebit", "codec checked")
+    for bad in ('x"""; import os', "class", "\u00e9", "1a", "a\n"):
+        info = check(parse(src))
+        info.name = bad
+        with pytest.raises(compll.CompLLError, match="is not a valid name"):
+            generate(info, src, "checked.hpc")
+
+
+def test_param_default_inf_generates_an_importable_module():
+    src = TBQ_TEXT.replace("codec tbq", "codec infdefault").replace(
+        "param float threshold = 0.5 in (0, inf);", "param float threshold = inf;")
+    cls = compll.load_source(src, "infdefault.hpc")
+    assert cls.spec.PARAMS[0]["default"] == float("inf")
+    x = np.array([1.0, -2.0, 0.25], np.float32)
+    c = cls()
+    assert c.params() == {"threshold": float("inf")}
+    assert c.decode(c.encode(x, "g")).tolist() == [0.0, 0.0, 0.0]
+    c = cls(threshold=0.5)
+    assert c.decode(c.encode(x, "g")).tolist() == [0.5, -0.5, 0.0]
+
+
+def test_tampered_cache_entry_is_regenerated_not_run(tmp_path):
+    import hashlib
+
+    spec = tmp_path / "tamper.hpc"
+    spec.write_text(ONEBIT_TEXT.replace("codec onebit", "codec tamper"))
+    _run_py(LOAD_AND_ENCODE, tmp_path, str(spec))
+    (entry,) = os.listdir(tmp_path / "cache" / "compll")
+    folder = tmp_path / "cache" / "compll" / entry
+    good = (folder / "codec.py").read_text()
+    (folder / "codec.py").write_text(good + "\nopen('TAMPERED', 'w').close()\n")
+    res = _run_py(LOAD_AND_ENCODE, tmp_path, str(spec))
+    assert not (tmp_path / "TAMPERED").exists()
+    # generated again (no disk hit), and still the right codec
+    assert res.stdout.split() == ["compll.tamper", "'tamper.hpc'", "True", "2", "1", "0"]
+    assert "codec.py does not match its codec.sha256" in res.stderr
+    assert (folder / "codec.py").read_text() == good
+    assert (folder / "codec.sha256").read_text() == hashlib.sha256(good.encode()).hexdigest() + "\n"
+
+
+def test_stale_module_in_sys_modules_is_replaced(tmp_path, monkeypatch):
+    import types
+
+    from hipress.compll import loader
+    from hipress.compll.codegen import spec_digest
+
+    monkeypatch.setenv("HIPRESS_CACHE_DIR", str(tmp_path))
+    src = ONEBIT_TEXT.replace("codec onebit", "codec stale")
+    name = loader._module_name(spec_digest(src))
+    stale = types.ModuleType(name)
+    stale.SPEC_SHA256 = "0" * 64
+    monkeypatch.setitem(sys.modules, name, stale)
+    mod = loader.module_for_source(src, "stale.hpc")
+    assert mod is not stale and sys.modules[name] is mod
+    assert mod.SPEC_SHA256 == spec_digest(src) and mod.CODEC_NAME == "compll.stale"
+
+
+def test_unsafe_cache_directories_are_refused(tmp_path, monkeypatch):
+    from hipress.compll import loader
+
+    monkeypatch.setenv("HIPRESS_CACHE_DIR", str(tmp_path))
+    root = tmp_path / "compll"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    src = ONEBIT_TEXT.replace("codec onebit", "codec unsafe")
+    with pytest.raises(compll.UnsafeCacheError) as info:
+        loader.module_for_source(src, "unsafe.hpc")
+    msg = str(info.value)
+    assert msg.startswith(f"refusing the CompLL cache directory {root}: it is writable by its "
+                          "group or by others (mode 0o777)")
+    assert (f"Fix: run 'chmod go-w {root}', or set HIPRESS_CACHE_DIR to a directory only "
+            "you can write") in msg
+    assert os.listdir(root) == []  # nothing generated into it
+    os.chmod(root, 0o755)
+    mod = loader.module_for_source(src, "unsafe.hpc")
+    (entry,) = os.listdir(root)
+    assert oct(os.stat(root / entry).st_mode & 0o777) == "0o700"
+    codec_py = root / entry / "codec.py"
+    os.chmod(codec_py, 0o666)
+    sys.modules.pop(mod.__name__)
+    with pytest.raises(compll.UnsafeCacheError,
+                       match=f"refusing the CompLL cache file {codec_py}: it is writable"):
+        loader.module_for_source(src, "unsafe.hpc")
+    if os.geteuid() == 0:  # only root can give a folder away
+        os.chmod(codec_py, 0o644)
+        os.chown(root, 12345, -1)
+        with pytest.raises(compll.UnsafeCacheError) as info:
+            loader.module_for_source(src, "unsafe.hpc")
+        assert f"{root}: it is owned by uid 12345, not by the current user (uid 0)" in \
+            str(info.value)
+        assert f"run 'chown 0 {root}' as its owner or root" in str(info.value)
+
+
+def test_codec_registry_does_not_import_compll(tmp_path):
+    import ast
+
+    codecs_dir = os.path.join(REPO, "hipress", "codecs")
+    for fname in sorted(os.listdir(codecs_dir)):
+        if not fname.endswith(".py"):
+            continue
+        with open(os.path.join(codecs_dir, fname)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                mods = [node.value]  # importlib.import_module("hipress.compll")
+            else:
+                continue
+            assert not any(m.startswith("hipress.compll") for m in mods), (fname, mods)
+    code = textwrap.dedent("""\
+        import sys
+        import numpy as np
+        import hipress.codecs as hc
+        print("after import", "hipress.compll" in sys.modules)
+        c = hc.get_codec("compll.onebit")
+        from hipress.compll import codec_id_for
+        x = np.linspace(-1, 1, 33, dtype=np.float32)
+        same = hc.get_codec("onebit").encode(x, "g").sections[0].tobytes() == \\
+            c.encode(x, "g").sections[0].tobytes()
+        print(type(c).__name__, c.codec_id == codec_id_for("onebit"), same)
+        try:
+            hc.get_codec("compll.../specs/onebit")
+        except Exception as e:
+            print(type(e).__name__, str(e))
+        """)
+    out = _run_py(code, tmp_path).stdout.splitlines()
+    assert out[0] == "after import False"
+    assert out[1] == "CompLL_onebit True True"
+    assert out[2].startswith("CodecError unknown codec 'compll.../specs/onebit'; valid codecs: ")
+    valid = out[2].split("valid codecs: ")[1].split(", ")
+    assert {"compll.onebit", "compll.tbq", "onebit", "topk"} <= set(valid)
+    assert compll.spec_path_for("compll.../specs/onebit") is None
+    assert compll.spec_path_for("compll.onebit").endswith(os.path.join("specs", "onebit.hpc"))
 
 
 # ----------------------------------------------------------------------------- CUDA

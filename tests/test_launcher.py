@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -59,7 +60,7 @@ def test_parse_hosts_names_ips_and_slots():
         ("localhost:0", "a host needs at least 1 slot, got 0"),
         ("a:2 b:2", "separate hosts with commas, not spaces (e.g. 'a:2,b:2')"),
         ("a:2, b:2", "separate hosts with commas, not spaces"),
-        ("a:x", "slots must be a whole number >= 1, got 'x'"),
+        ("a:x", "slots must be a whole number >= 1 (digits 0-9), got 'x'"),
         ("a:-1", "slots must be a whole number >= 1"),
         ("-oversubscribe:1", "invalid host name '-oversubscribe'"),
         ("a;rm -rf:1", "separate hosts with commas"),
@@ -305,7 +306,9 @@ cluster:
 """
 
 
-def test_precedence_yaml_then_command_line(tmp_path):
+def test_precedence_yaml_then_command_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0"),
+                                                             (3, "eth1")])
     hf = tmp_path / "hf"
     hf.write_text("h1 slots=4\nh2 slots=4\n")
     job = tmp_path / "job.yaml"
@@ -432,6 +435,135 @@ def cli_has(module):
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+# ----------------------------------------------------------------------------- hardening
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("h:\u00b2", "slots must be a whole number >= 1 (digits 0-9), got '\u00b2'"),
+        ("h:\u0661\u0662", "slots must be a whole number >= 1 (digits 0-9), got '\u0661\u0662'"),
+        ("\u0661.0.0.1:1", "invalid host name '\u0661.0.0.1'"),
+    ],
+)
+def test_hosts_accept_only_ascii_digits_and_whole_names(spec, message):
+    with pytest.raises(HostError) as info:
+        parse_hosts(spec)
+    assert message in str(info.value)
+
+
+def test_hostfile_non_ascii_digits_and_non_utf8_bytes(tmp_path):
+    hf = tmp_path / "hosts"
+    hf.write_text("a slots=2\nb slots=\u00b2\n", encoding="utf-8")
+    with pytest.raises(HostError) as info:
+        parse_hostfile(str(hf))
+    assert str(info.value) == (f"{hf}:2: slots: slots must be a whole number >= 1 (digits 0-9), "
+                               "got '\u00b2'")
+    hf.write_bytes(b"a slots=2\n# ok\nb\xff slots=1\n")
+    with pytest.raises(HostError) as info:
+        parse_hostfile(str(hf))
+    assert str(info.value) == (f"{hf}:3: hostfile is not UTF-8 text (byte 0xff); write it as "
+                               "plain text, one 'HOST slots=N' per line")
+
+
+def test_slurm_values_must_be_whole_ascii():
+    # a newline inside the list used to pass the host regex ('$' matches before it)
+    with pytest.raises(HostError, match=r"invalid host name 'a\\n'"):
+        slurm_allocation({"SLURM_JOB_NODELIST": "a\n,b"})
+    with pytest.raises(HostError, match=r"invalid host name 'n1\\n'"):
+        slurm_allocation({"SLURM_JOB_NODELIST": "n[1-2]\n,b"})
+    # around the whole value it is only whitespace: the names stay clean
+    assert expand_nodelist("node[01-02]\n") == ["node01", "node02"]
+    with pytest.raises(HostError, match="malformed Slurm node range"):
+        expand_nodelist("n[\u0661-\u0662]")
+    with pytest.raises(HostError, match="malformed Slurm tasks-per-node"):
+        expand_tasks_per_node("\u0662(x2)")
+    with pytest.raises(HostError, match="SLURM_NTASKS='\u00b2' is not a count"):
+        slurm_allocation({"SLURM_JOB_NODELIST": "a", "SLURM_NTASKS": "\u00b2"})
+
+
+@needs_mpi
+def test_malformed_input_exits_2_without_traceback(tmp_path, capsys):
+    sup = tmp_path / "sup"
+    sup.write_text("a slots=\u00b2\n", encoding="utf-8")
+    latin = tmp_path / "latin"
+    latin.write_bytes(b"caf\xe9 slots=1\n")
+    cases = [
+        (["-H", "h:\u00b2"], "hosts entry 'h:\u00b2': slots must be a whole number >= 1"),
+        (["--hostfile", str(sup)], f"{sup}:1: slots: slots must be a whole number >= 1"),
+        (["--hostfile", str(latin)], f"{latin}:1: hostfile is not UTF-8 text (byte 0xe9)"),
+    ]
+    for extra, message in cases:
+        rc, out, err = _main(["-np", "1", *extra, "--dry-run", "python", "t.py"], capsys)
+        assert (rc, out) == (2, ""), extra
+        assert err.startswith("hipressrun: error: ") and message in err, err
+    for bad in (["-np", "\u0661"], ["-np", "1", "--ssh-port", "\u0662\u0662"]):
+        with pytest.raises(SystemExit) as info:
+            cli.main([*bad, "python", "t.py"], environ={})
+        assert info.value.code == 2
+        assert "expected a whole number (digits 0-9), got '" in capsys.readouterr().err
+
+
+def test_network_interface_must_exist_on_this_host():
+    cli.check_network_interface("eth0", available=["lo", "eth0"])
+    cli.check_network_interface("eth0,ib0", available=["lo", "eth0", "ib0"])
+    cli.check_network_interface("10.0.0.0/24", available=["lo"])  # a subnet: not checked
+    with pytest.raises(cli._UsageError) as info:
+        cli.check_network_interface("eth0,nosuchif0", available=["lo", "eth0"])
+    assert str(info.value).startswith(
+        f"network interface 'nosuchif0' does not exist on this host ({socket.gethostname()}); "
+        "interfaces here: lo, eth0. mpirun uses it on this host too")
+
+
+@needs_mpi
+def test_unknown_network_interface_exits_2_listing_the_real_ones(capsys):
+    names = [name for _, name in socket.if_nameindex()]
+    rc, out, err = _main(["-np", "1", "--network-interface", "nosuchif0", "--dry-run",
+                          "python", "t.py"], capsys)
+    assert (rc, out) == (2, "")
+    assert err.startswith("hipressrun: error: network interface 'nosuchif0' does not exist on "
+                          f"this host ({socket.gethostname()}); interfaces here: "
+                          f"{', '.join(names)}.")
+    rc, out, err = _main(["-np", "1", "--network-interface", names[0], "--dry-run",
+                          "python", "t.py"], capsys)
+    assert rc == 0 and f"btl_tcp_if_include {names[0]} " in out, err
+
+
+EXITS_EARLY = """\
+import os, time
+import hipress as hp
+hp.init()
+print('ready', flush=True)
+if hp.rank() == 1:
+    os._exit(0)
+time.sleep(120)
+"""
+
+
+def test_failure_report_names_a_rank_that_exits_without_finalize():
+    ompi5 = ("prterun has exited due to process rank 1 with PID 7559 on node vm exiting\n"
+             "improperly. There are three reasons this could occur:\n")
+    ompi4 = ("mpirun has exited due to process rank 3 with PID 0 on\nnode n7 exiting "
+             "improperly. There are three reasons this could occur:\n")
+    assert describe_failure(ompi5) == \
+        "rank 1 failed (exited without finalizing MPI, e.g. os._exit())"
+    assert describe_failure(ompi4) == \
+        "rank 3 failed (exited without finalizing MPI, e.g. os._exit())"
+
+
+@needs_mpi
+@pytest.mark.mpi
+def test_real_rank_exiting_zero_before_finalize_is_named(tmp_path):
+    start = time.monotonic()
+    res = _hipressrun(["-np", "2", sys.executable, "-c", EXITS_EARLY], timeout=60,
+                      cwd=str(tmp_path))
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    assert sorted(res.stdout.splitlines()) == ["[0] ready", "[1] ready"]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last == ("hipressrun: rank 1 failed (exited without finalizing MPI, e.g. os._exit()); "
+                    "mpirun stopped the other ranks and exited with status 1"), res.stderr
 
 
 # ----------------------------------------------------------------------------- real runs

@@ -6,6 +6,8 @@
 >>> codec.decode(payload)
 
 Built-in codecs register themselves on import; see :func:`codec_names` for the list.
+Generated codecs (``compll.*``) come from a :class:`~hipress.codecs.base.CodecLoader`
+that :mod:`hipress.compll` installs: this package never imports ``hipress.compll``.
 """
 
 # Built-in codecs register themselves on import (one algorithm per module).
@@ -32,6 +34,7 @@ from hipress.codecs.base import (
     get_codec,
     layout_nbytes,
     register_codec,
+    register_codec_loader,
 )
 
 __all__ = [
@@ -42,5 +45,6 @@ __all__ = [
     "get_codec",
     "layout_nbytes",
     "register_codec",
+    "register_codec_loader",
 ]
 

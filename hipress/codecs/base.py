@@ -444,21 +444,55 @@ def register_codec(name: str, codec_id: int) -> Callable[[Type[Codec]], Type[Cod
     return deco
 
 
-_BUILTIN_SPECS_LOADED = False
+@dataclasses.dataclass(frozen=True, eq=False)
+class CodecLoader:
+    """Registers codecs on demand, for names the built-in modules do not define.
 
+    The registry never imports the packages that generate codecs (CompLL builds on the
+    registry, not the other way round); they install a loader instead, and a package can
+    install a stand-in that only imports the real one (see ``hipress/__init__.py``).
 
-def _load_builtin_specs() -> None:
-    """Register the CompLL-generated codecs shipped with HiPress (``compll.*``), once.
-
-    Loaded lazily, on the first listing or ``compll.*`` lookup, so that importing the codec
-    library never pays for the DSL (sources are cached on disk after the first load).
+    Attributes:
+        prefix: the names it provides start with this (``"compll."``).
+        load: ``load(name)`` registers codec ``name`` if it can, else does nothing; it may
+            also install another loader for ``prefix``, which is then asked in turn.
+        load_all: registers every codec it provides (for :func:`codec_names`).
     """
-    global _BUILTIN_SPECS_LOADED
-    if not _BUILTIN_SPECS_LOADED:
-        _BUILTIN_SPECS_LOADED = True
-        from hipress.compll import register_builtin_specs
 
-        register_builtin_specs()
+    prefix: str
+    load: Callable[[str], None]
+    load_all: Callable[[], None]
+
+
+_LOADERS: Dict[str, CodecLoader] = {}
+
+
+def register_codec_loader(prefix: str, load: Callable[[str], None],
+                          load_all: Callable[[], None]) -> CodecLoader:
+    """Install the loader of codec names starting with ``prefix`` (replacing any earlier one).
+
+    Returns:
+        The installed :class:`CodecLoader`.
+    """
+    loader = CodecLoader(prefix, load, load_all)
+    _LOADERS[prefix] = loader
+    return loader
+
+
+def _run_loaders(name: Optional[str]) -> None:
+    """Ask the loaders for ``name`` (every loader if None); loaders they install are asked too."""
+    asked: set = set()
+    while True:
+        todo = [ld for ld in list(_LOADERS.values()) if id(ld) not in asked
+                and (name is None or name.startswith(ld.prefix))]
+        if not todo:
+            return
+        for ld in todo:
+            asked.add(id(ld))
+            if name is None:
+                ld.load_all()
+            elif name not in _REGISTRY:
+                ld.load(name)
 
 
 def registered_codec(name: str) -> Optional[Type[Codec]]:
@@ -467,19 +501,26 @@ def registered_codec(name: str) -> Optional[Type[Codec]]:
 
 
 def codec_names() -> List[str]:
-    """Return the registered codec names (the CompLL-generated ``compll.*`` too), sorted."""
-    _load_builtin_specs()
+    """Return the registered codec names, sorted.
+
+    Every :class:`CodecLoader` first registers what it provides, so the CompLL-generated
+    ``compll.*`` names are listed too.
+    """
+    _run_loaders(None)
     return sorted(_REGISTRY)
 
 
 def codec_class(name: str) -> Type[Codec]:
     """Return the codec class registered under ``name``.
 
+    A name not registered yet goes to the :class:`CodecLoader` of its prefix, if any
+    (``compll.onebit`` to CompLL's).
+
     Raises:
         CodecError: no such codec; the message lists the valid names.
     """
-    if name not in _REGISTRY and name.startswith("compll."):
-        _load_builtin_specs()
+    if name not in _REGISTRY:
+        _run_loaders(name)
     try:
         return _REGISTRY[name]
     except KeyError:

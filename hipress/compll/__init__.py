@@ -3,7 +3,9 @@
 Part three of HiPress (Bai et al., SOSP'21, section 5): an algorithm is written as an
 ``encode`` and a ``decode`` function over a gradient in a few dozen lines (a ``.hpc``
 spec); the generator lowers it to fused CPU kernels (Numba) and CUDA kernels (CuPy) and
-registers a codec ``compll.<name>`` that every adapter can use by name.
+registers a codec ``compll.<name>`` that every adapter can use by name. Importing this
+package installs the registry's loader for ``compll.*`` names (the registry itself never
+imports CompLL), so ``get_codec("compll.onebit")`` compiles or loads the shipped spec.
 
 >>> from hipress import compll
 >>> cls = compll.load_spec("my_algorithm.hpc")      # compiled, cached, registered
@@ -23,12 +25,18 @@ reductions, filters and bit packing into passes) -> :mod:`~hipress.compll.cpu` /
 
 from __future__ import annotations
 
-from hipress.compll.errors import CompLLError, CompLLSyntaxError, CompLLTypeError
+from hipress.compll.errors import (
+    CompLLError,
+    CompLLSyntaxError,
+    CompLLTypeError,
+    UnsafeCacheError,
+)
 from hipress.compll.loader import (
     build_sources,
     builtin_spec_paths,
     cache_dir,
     codec_id_for,
+    install_codec_loader,
     load_source,
     load_spec,
     register_builtin_specs,
@@ -36,10 +44,13 @@ from hipress.compll.loader import (
     spec_path_for,
 )
 
+install_codec_loader()
+
 __all__ = [
     "CompLLError",
     "CompLLSyntaxError",
     "CompLLTypeError",
+    "UnsafeCacheError",
     "build_sources",
     "builtin_spec_paths",
     "cache_dir",

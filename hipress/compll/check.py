@@ -38,7 +38,7 @@ SCALAR_FUNCS = ("abs", "sqrt", "floor", "ceil", "rint", "min", "max")
 CONSTANTS = {"inf": math.inf}
 RESERVED = set(ARRAY_OPS) | set(SCALAR_FUNCS) | set(CONSTANTS) | {
     "seed", "name", "step", "rank", "np", "xp", "ctx", "sections", "P"}
-_IDENT = re.compile(r"^[a-z][a-z0-9_]*$")
+_IDENT = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,7 +183,7 @@ class Checker:
     def check_header(self) -> List[ParamInfo]:
         """Check the codec header: name, flags and parameters."""
         spec = self.spec
-        if not _IDENT.match(spec.name):
+        if not _IDENT.fullmatch(spec.name):
             raise self.error(spec, f"codec name {spec.name!r} must be lower case letters, "
                                    "digits and '_', starting with a letter")
         seen = set()

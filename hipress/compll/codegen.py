@@ -4,20 +4,29 @@ The module is plain text, written to the disk cache (or by ``hipress compll buil
 imported; it holds everything the codec class needs, so a cache hit never parses the
 spec again:
 
-- ``SPEC_NAME``, ``CODEC_NAME``, ``FLAGS``, ``PARAMS``, ``INPUT_DTYPE``: the header;
+- ``SPEC_NAME``, ``CODEC_NAME``, ``SPEC_FILE``, ``FLAGS``, ``PARAMS``, ``INPUT_DTYPE``: the
+  header;
 - ``layout(n, P)``: (dtype, count) of each section for n elements (bounds when
   ``variable_size``);
 - ``encode(xp, g, P, ctx)`` / ``decode(xp, sections, n, P, ctx)``: the host programs,
   the same text for NumPy and CuPy (``xp``);
 - ``_loop<i>``: one wrapper per fused loop, dispatching to the Numba kernel ``_k<i>``
   (CPU) or to CUDA kernel ``k<i>`` of ``CUDA_SOURCE`` (GPU).
+
+Nothing from the spec is pasted into the module as raw text: strings and values (the spec
+file's name, its text, parameter defaults, the CUDA source) go in as Python literals
+(:func:`py_literal`), and names (codec, parameters) are checked to be ASCII identifiers
+(:func:`check_identifier`) before they are used in code.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import keyword
+import math
 import os
+import re
 from typing import Any, Dict, List
 
 import numpy as np
@@ -25,6 +34,7 @@ import numpy as np
 from hipress.compll import cpu, cuda
 from hipress.compll import typesys as T
 from hipress.compll.check import SpecInfo
+from hipress.compll.errors import CompLLError
 from hipress.compll.plan import (
     If,
     Loop,
@@ -64,6 +74,56 @@ def spec_digest(source: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_identifier(name: str, what: str) -> str:
+    """Return ``name`` if it is an ASCII Python identifier that is not a keyword.
+
+    The grammar only produces such names; this guards the generated code against a
+    caller that builds a :class:`~hipress.compll.check.SpecInfo` some other way.
+
+    Raises:
+        CompLLError: ``name`` is anything else.
+    """
+    if not isinstance(name, str) or not _IDENTIFIER.fullmatch(name) or keyword.iskeyword(name):
+        raise CompLLError(f"{what} {name!r} is not a valid name (ASCII letters, digits and "
+                          "'_', not starting with a digit); rename it in the spec")
+    return name
+
+
+def py_literal(value: Any) -> str:
+    """Return Python source that evaluates to ``value``.
+
+    ``value`` is None, a bool, int, float or str, or a list, tuple or string-keyed dict of
+    those. Strings go through :func:`repr`, so quotes, backslashes and newlines in them cannot
+    end the literal; non-finite floats become ``float('inf')``, ``float('-inf')`` and
+    ``float('nan')`` (``repr`` gives bare ``inf``, which is not a Python literal).
+
+    Raises:
+        TypeError: a value of another type.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return repr(value)
+    if isinstance(value, (int, np.integer)):
+        return repr(int(value))
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return repr(v) if math.isfinite(v) else f"float({repr(v)!r})"
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"py_literal: dict key {k!r} is not a string")
+            items.append(f"{k!r}: {py_literal(v)}")
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(py_literal(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + "".join(py_literal(v) + ", " for v in value) + ")"
+    raise TypeError(f"py_literal: cannot write a {type(value).__name__} as a literal")
+
+
 def _outputs(loop: Loop) -> List[str]:
     names = []
     for o in loop.outputs:
@@ -101,7 +161,8 @@ def _emit_body(stmts: List[Any], indent: str, out: List[str]) -> None:
 
 
 def _param_lines(info: SpecInfo) -> List[str]:
-    return [f"    P_{p.name} = P[{p.name!r}]" for p in info.params]
+    return [f"    P_{check_identifier(p.name, 'parameter')} = P[{p.name!r}]"
+            for p in info.params]
 
 
 def _np_arg(t: T.Scalar, code: str) -> str:
@@ -110,10 +171,6 @@ def _np_arg(t: T.Scalar, code: str) -> str:
     if t.kind == "bool":
         return f"bool({code})"
     return f"np.int64({code})"
-
-
-def _pyrepr(v: Any) -> str:
-    return f"float({str(v)!r})" if isinstance(v, float) and not np.isfinite(v) else repr(v)
 
 
 def _store_size(arr_elem: T.Scalar, n: str) -> str:
@@ -177,7 +234,7 @@ def _wrapper(loop: Loop) -> str:
             t = o.out.ty
             dt = np_dtype(t) if t.is_float else "np.int64"
             ident = reduce_identity(o.op, t)
-            lines.append(f"    part{j} = xp.full(grid, {_pyrepr(ident)}, {dt})")
+            lines.append(f"    part{j} = xp.full(grid, {py_literal(ident)}, {dt})")
             cargs.append(f"part{j}")
             rets.append(f"_rt.finish(part{j}, {o.op!r}, {np_dtype(t) if t.is_float else 'int'})")
         else:
@@ -255,9 +312,21 @@ def plan_summary(enc: Program, dec: Program) -> str:
 def generate(info: SpecInfo, source: str, path: str) -> Dict[str, str]:
     """Generate the module of a checked spec.
 
+    Args:
+        info: the checked spec.
+        source: the spec's text (kept in the module as ``SOURCE``).
+        path: the spec file's name (kept as ``SPEC_FILE``); any text, written as a literal.
+
     Returns:
         ``{"module": Python source, "cuda": CUDA C source, "plan": fusion summary}``.
+
+    Raises:
+        CompLLError: the codec or a parameter name is not an identifier (see
+            :func:`check_identifier`).
     """
+    check_identifier(info.name, "codec name")
+    for p in info.params:
+        check_identifier(p.name, "parameter")
     enc, dec = plan(info)
     loops = enc.loops + dec.loops
     digest = spec_digest(source)
@@ -265,21 +334,24 @@ def generate(info: SpecInfo, source: str, path: str) -> Dict[str, str]:
                    lo_closed=p.lo_closed, hi_closed=p.hi_closed, range=p.describe_range())
               for p in info.params]
     cuda_src = cuda.module_source(loops)
+    # The docstring holds only checked names and hex digits; every other value below is
+    # written with py_literal (repr), never pasted as text.
+    doc = (f"CompLL codec compll.{info.name}, generated from the spec file SPEC_FILE. "
+           f"Do not edit.\n\nSpec sha256 {digest}, generator version {GENERATOR_VERSION}.\n")
     parts = [
-        f'"""CompLL codec {info.codec_name!r}, generated from {path}. Do not edit.\n\n'
-        f"Spec sha256 {digest}, generator version {GENERATOR_VERSION}.\n"
-        '"""\n',
+        f'"""{doc}"""\n',
         "import numpy as np\n\nfrom hipress.compll import runtime as _rt\n\n"
         "_f32 = np.float32\n_f64 = np.float64\n",
-        f"SPEC_NAME = {info.name!r}",
-        f"CODEC_NAME = {info.codec_name!r}",
-        f"SPEC_SHA256 = {digest!r}",
-        f"FLAGS = {info.flags!r}",
-        f"PARAMS = {params!r}",
+        f"SPEC_NAME = {py_literal(info.name)}",
+        f"CODEC_NAME = {py_literal(info.codec_name)}",
+        f"SPEC_FILE = {py_literal(path)}",
+        f"SPEC_SHA256 = {py_literal(digest)}",
+        f"FLAGS = {py_literal(dict(info.flags))}",
+        f"PARAMS = {py_literal(params)}",
         f"INPUT_DTYPE = np.dtype({np_dtype(info.input_elem)})",
-        f"USES_RNG = {enc.uses_rng!r}",
-        f"USES_KEYS = {enc.uses_keys!r}",
-        f"SOURCE = {source!r}\n\n",
+        f"USES_RNG = {py_literal(bool(enc.uses_rng))}",
+        f"USES_KEYS = {py_literal(bool(enc.uses_keys))}",
+        f"SOURCE = {py_literal(source)}\n\n",
         _layout_fn(info),
         "\n" + _program_fn(info, enc, "encode(xp, _g, P, ctx)",
                            "Return the payload sections of the 1-D gradient g."),
@@ -291,6 +363,6 @@ def generate(info: SpecInfo, source: str, path: str) -> Dict[str, str]:
     parts.append("\n# Numba kernels: compiled on first use (njit, cache=True).")
     for lp in loops:
         parts.append("\n" + cpu.kernel_source(lp))
-    parts.append(f"\nCUDA_SOURCE = r'''{cuda_src}'''\n")
+    parts.append(f"\nCUDA_SOURCE = {py_literal(cuda_src)}\n")
     module = "\n".join(parts)
     return {"module": module, "cuda": cuda_src, "plan": plan_summary(enc, dec)}

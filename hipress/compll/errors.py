@@ -56,3 +56,12 @@ class CompLLTypeError(CompLLError):
     """The spec is grammatical but ill-typed (caught before any code is generated)."""
 
     kind = "type error"
+
+
+class UnsafeCacheError(HiPressError, RuntimeError):
+    """The CompLL disk cache can be written by someone other than the current user.
+
+    Every rank runs the generated modules it finds there, so such a cache is refused; the
+    message names the folder or file and how to fix it (``chmod go-w``, ``chown``, or
+    ``HIPRESS_CACHE_DIR`` set to a private folder).
+    """

@@ -2,31 +2,47 @@
 
 Generated modules are cached on disk under ``$HIPRESS_CACHE_DIR/compll`` (default
 ``~/.cache/hipress/compll``), one folder per spec text, named ``<spec>-<sha256[:16]>``
-and holding ``codec.py`` (the module), ``kernels.cu`` (its CUDA source), ``plan.txt``
-and a copy of the spec. A cache hit imports ``codec.py`` without parsing the spec; Numba
-caches its compiled kernels beside it. Writes are atomic (temporary folder, then rename),
-so concurrent ranks can share a cache.
+and holding ``codec.py`` (the module), ``codec.sha256`` (the sha256 of ``codec.py``),
+``kernels.cu`` (its CUDA source), ``plan.txt`` and a copy of the spec. A cache hit runs
+``codec.py`` without parsing the spec; Numba caches its compiled kernels beside it. Writes
+are atomic (temporary folder, then rename), so concurrent ranks can share a cache.
+
+Every rank runs what it finds there, so the cache is trusted only when nobody else can
+write it: the ``compll`` folder, each entry and its files must belong to the current user
+and not be writable by group or others (else :class:`UnsafeCacheError`; new folders are
+made ``0o700``). A hit reads ``codec.py`` once, checks its sha256 against ``codec.sha256``
+and its ``SPEC_SHA256`` line against the spec, and only then runs those same bytes; an
+entry that fails the checks is deleted and generated again.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
 import threading
+import types
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
 
 from hipress.backend import array_module
-from hipress.codecs.base import Codec, Layout, register_codec, registered_codec
+from hipress.codecs.base import (
+    Codec,
+    Layout,
+    register_codec,
+    register_codec_loader,
+    registered_codec,
+)
 from hipress.codecs.state import SeededStreamMixin, check_seed
 from hipress.compll import runtime as _rt
+from hipress.compll.errors import UnsafeCacheError
 from hipress.errors import CodecError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +50,8 @@ logger = logging.getLogger(__name__)
 SPEC_DIR = os.path.join(os.path.dirname(__file__), "specs")
 #: Codec ids of generated codecs lie in [ID_MIN, ID_MAX): above the hand-written ones.
 ID_MIN, ID_MAX = 1000, 65000
+#: A codec name as the grammar and the checker allow it (``codec <name> {...}``).
+_SPEC_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 _LOCK = threading.RLock()
 _BY_DIGEST: Dict[str, Type[Codec]] = {}
@@ -81,32 +99,124 @@ def build_sources(source: str, path: str = "<string>") -> Dict[str, Any]:
     return out
 
 
-def _import_module(path: str, digest: str) -> Any:
-    name = f"hipress_compll_gen_{digest[:16]}"
-    mod = sys.modules.get(name)
-    if mod is not None:
-        return mod
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
+def _module_name(digest: str) -> str:
+    return f"hipress_compll_gen_{digest[:16]}"
+
+
+def _run_module(name: str, path: str, text: Any) -> Any:
+    """Run module text (str or bytes) as module ``name`` with ``__file__`` = ``path``.
+
+    The text is the one already read and checked (or just generated): the file is not read
+    again, so it cannot change between the check and the run.
+    """
+    code = compile(text, path, "exec", dont_inherit=True)
+    mod = types.ModuleType(name)
+    mod.__file__ = path
     sys.modules[name] = mod
     try:
-        spec.loader.exec_module(mod)
+        exec(code, mod.__dict__)  # noqa: S102 - checked generated code (see _read_entry)
     except BaseException:
-        del sys.modules[name]
+        sys.modules.pop(name, None)
         raise
     return mod
 
 
+def _unsafe_reason(st: os.stat_result) -> Optional[str]:
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    if uid is not None and st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if st.st_mode & 0o022:
+        return f"writable by its group or by others (mode {oct(st.st_mode & 0o777)})"
+    return None
+
+
+def _refuse(path: str, reason: str, is_dir: bool) -> UnsafeCacheError:
+    uid = os.geteuid() if hasattr(os, "geteuid") else "$(id -u)"
+    fix = (f"run 'chmod go-w {path}'" if "writable" in reason else
+           f"run 'chown {uid} {path}' as its owner or root")
+    what = "CompLL cache directory" if is_dir else "CompLL cache file"
+    return UnsafeCacheError(
+        f"refusing the {what} {path}: it is {reason}, so another user could put code "
+        f"there that every rank would run. Fix: {fix}, or set HIPRESS_CACHE_DIR to a "
+        "directory only you can write (the cache is then $HIPRESS_CACHE_DIR/compll)")
+
+
+def check_cache_path(path: str) -> None:
+    """Refuse a cache folder or file that someone other than the current user can change.
+
+    Raises:
+        UnsafeCacheError: ``path`` belongs to another user or is group- or world-writable
+            (the message names it and how to fix it).
+        OSError: ``path`` cannot be examined.
+    """
+    st = os.stat(path)
+    reason = _unsafe_reason(st)
+    if reason is not None:
+        raise _refuse(path, reason, os.path.isdir(path))
+
+
+def _cache_root() -> str:
+    """Create (``0o700``) and check the ``compll`` cache folder; return its path.
+
+    Raises:
+        UnsafeCacheError: the folder is not private to the current user.
+        OSError: it cannot be created.
+    """
+    root = cache_dir()
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    check_cache_path(root)
+    return root
+
+
+def _read_checked(path: str) -> bytes:
+    with open(path, "rb") as f:
+        reason = _unsafe_reason(os.fstat(f.fileno()))
+        if reason is not None:
+            raise _refuse(path, reason, False)
+        return f.read()
+
+
+def _read_entry(folder: str, digest: str) -> Optional[bytes]:
+    """Return the bytes of a cache entry's ``codec.py`` if they pass the checks, else None.
+
+    Checks: the folder and both files are private (else :class:`UnsafeCacheError`); the
+    sha256 of ``codec.py`` equals ``codec.sha256``; it declares ``SPEC_SHA256 = digest``.
+    """
+    check_cache_path(folder)
+    try:
+        data = _read_checked(os.path.join(folder, "codec.py"))
+        want = _read_checked(os.path.join(folder, "codec.sha256")).decode("ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        logger.warning("discarding incomplete CompLL cache entry %s (%s)", folder, exc)
+        return None
+    if hashlib.sha256(data).hexdigest() != want:
+        logger.warning("discarding CompLL cache entry %s: codec.py does not match its "
+                       "codec.sha256 (modified or damaged)", folder)
+        return None
+    if f"\nSPEC_SHA256 = {digest!r}\n".encode() not in data:
+        logger.warning("discarding CompLL cache entry %s: it was generated from another "
+                       "spec text", folder)
+        return None
+    return data
+
+
+def _write_file(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
 def _write_cache(folder: str, built: Dict[str, Any], source: str) -> None:
     parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(parent, mode=0o700, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
     try:
-        files = {"codec.py": built["module"], "kernels.cu": built["cuda"],
-                 "plan.txt": built["plan"], f"{built['name']}.hpc": source}
+        module = built["module"]
+        files = {"codec.py": module, "kernels.cu": built["cuda"], "plan.txt": built["plan"],
+                 "codec.sha256": hashlib.sha256(module.encode("utf-8")).hexdigest() + "\n",
+                 f"{built['name']}.hpc": source}
         for fname, text in files.items():
-            with open(os.path.join(tmp, fname), "w", encoding="utf-8") as f:
-                f.write(text)
+            _write_file(os.path.join(tmp, fname), text)
         try:
             os.rename(tmp, folder)
         except OSError:
@@ -119,39 +229,69 @@ def _write_cache(folder: str, built: Dict[str, Any], source: str) -> None:
 
 
 def module_for_source(source: str, path: str = "<string>") -> Any:
-    """Return the generated module of a spec's text, from the disk cache when possible."""
+    """Return the generated module of a spec's text, from the disk cache when possible.
+
+    Steps: 1. a module of this spec text already run in this process is returned; 2. the
+    cache folder is created or checked (:func:`check_cache_path`); 3. an entry whose
+    ``codec.py`` passes the checks (see the module docstring) is run; one that fails them
+    is deleted and its module dropped from :data:`sys.modules`; 4. otherwise the spec is
+    generated, written to the cache (or, if the cache cannot be written, to a temporary
+    folder) and the generated text run.
+
+    Raises:
+        UnsafeCacheError: the cache folder, the entry or its files are not private to the
+            current user (see :func:`check_cache_path`).
+        CompLLSyntaxError, CompLLTypeError: the spec is invalid.
+    """
     from hipress.compll.codegen import spec_digest
 
     digest = spec_digest(source)
-    name = _spec_name_hint(source)
-    folder = os.path.join(cache_dir(), f"{name}-{digest[:16]}")
+    mod_name = _module_name(digest)
+    mod = sys.modules.get(mod_name)
+    if mod is not None and getattr(mod, "SPEC_SHA256", None) == digest:
+        return mod
+    sys.modules.pop(mod_name, None)
+    try:
+        root: Optional[str] = _cache_root()
+    except OSError as exc:
+        logger.warning("cannot create the CompLL cache at %s (%s); set HIPRESS_CACHE_DIR to "
+                       "a writable folder", cache_dir(), exc)
+        root = None
+    folder = os.path.join(root or cache_dir(), f"{_spec_name_hint(source)}-{digest[:16]}")
     mod_path = os.path.join(folder, "codec.py")
-    if os.path.isfile(mod_path):
-        try:
-            mod = _import_module(mod_path, digest)
-            if getattr(mod, "SPEC_SHA256", None) == digest:
+    if root is not None and os.path.lexists(folder):
+        data = _read_entry(folder, digest)
+        if data is not None:
+            try:
+                mod = _run_module(mod_name, mod_path, data)
                 _STATS["disk_hits"] += 1
                 return mod
-        except Exception as exc:  # a damaged cache entry: regenerate
-            logger.warning("discarding damaged CompLL cache entry %s (%s)", folder, exc)
-        shutil.rmtree(folder, ignore_errors=True)
+            except Exception as exc:  # a damaged cache entry: regenerate
+                logger.warning("discarding damaged CompLL cache entry %s (%s)", folder, exc)
+        sys.modules.pop(mod_name, None)
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            os.unlink(folder)
     built = build_sources(source, path)
     _STATS["generated"] += 1
-    try:
-        _write_cache(folder, built, source)
-    except OSError as exc:
-        logger.warning("cannot write the CompLL cache at %s (%s); set HIPRESS_CACHE_DIR to a "
-                       "writable folder", folder, exc)
-        folder = tempfile.mkdtemp(prefix="hipress-compll-")
-        _write_cache(os.path.join(folder, "m"), built, source)
-        mod_path = os.path.join(folder, "m", "codec.py")
-    return _import_module(mod_path, digest)
+    written = False
+    if root is not None:
+        try:
+            _write_cache(folder, built, source)
+            written = True
+        except OSError as exc:
+            logger.warning("cannot write the CompLL cache at %s (%s); set HIPRESS_CACHE_DIR "
+                           "to a writable folder", folder, exc)
+    if not written:
+        tmp = tempfile.mkdtemp(prefix="hipress-compll-")
+        _write_cache(os.path.join(tmp, "m"), built, source)
+        mod_path = os.path.join(tmp, "m", "codec.py")
+    return _run_module(mod_name, mod_path, built["module"])
 
 
 def _spec_name_hint(source: str) -> str:
     """Return the codec name of a spec's header (for the cache folder name), or "spec"."""
-    import re
-
     m = re.search(r"\bcodec\s+([a-z][a-z0-9_]*)", source)
     return m.group(1) if m else "spec"
 
@@ -347,6 +487,31 @@ def register_builtin_specs() -> List[str]:
     return [load_spec(p).name for p in builtin_spec_paths()]
 
 
+_ALL_BUILTIN_LOADED = False
+
+
+def _load_builtin(name: str) -> None:
+    path = spec_path_for(name)
+    if path is not None:
+        load_spec(path)
+
+
+def _load_all_builtin() -> None:
+    global _ALL_BUILTIN_LOADED
+    if not _ALL_BUILTIN_LOADED:
+        register_builtin_specs()
+        _ALL_BUILTIN_LOADED = True
+
+
+def install_codec_loader() -> None:
+    """Install the codec registry's loader of ``compll.<name>``: the shipped spec ``<name>``.
+
+    Done when :mod:`hipress.compll` is imported; a name with no shipped spec is left to the
+    registry's "unknown codec" error.
+    """
+    register_codec_loader("compll.", _load_builtin, _load_all_builtin)
+
+
 def resolve_algorithm(algorithm: str) -> str:
     """Return the registered codec name for a config's ``compression.algorithm``.
 
@@ -366,7 +531,13 @@ def resolve_algorithm(algorithm: str) -> str:
 
 
 def spec_path_for(name: str) -> Optional[str]:
-    """Return the shipped spec file of ``name`` (``onebit`` or ``compll.onebit``), if any."""
+    """Return the shipped spec file of ``name`` (``onebit`` or ``compll.onebit``), if any.
+
+    Only codec names (lower case letters, digits and '_') are looked up, so a name such as
+    ``compll.../x`` never reaches outside the shipped specs.
+    """
     short = name.split(".", 1)[1] if name.startswith("compll.") else name
+    if not _SPEC_NAME.fullmatch(short):
+        return None
     path = os.path.join(SPEC_DIR, f"{short}.hpc")
     return path if os.path.isfile(path) else None
