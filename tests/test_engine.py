@@ -100,3 +100,11 @@ def test_timeline_is_a_chrome_trace(tmp_path):
     assert enc and all(e["args"]["gradient"] == "tl.onebit" for e in enc)
     assert all(e["dur"] >= 0 and "ts" in e for e in events)
     assert data["otherData"]["world_size"] == 3
+
+
+def test_peer_payload_of_wrong_size_is_refused_on_every_rank():
+    proc = run_cases(2, ["peer_payload_wrong_size"], timeout=90)
+    refused = [line for line in proc.stdout.splitlines() if "REFUSED" in line]
+    assert len(refused) == 2, proc.stdout[-3000:]
+    assert all("expects 64" in line for line in refused)
+

@@ -424,6 +424,32 @@ def nonfinite_one_rank_fails_all():
         raise AssertionError("NaN gradient was synchronized")
 
 
+@case
+def peer_payload_wrong_size():
+    """Rank 1's payloads claim shape (1,) for a 64-element gradient (gather path, fp16):
+    every rank refuses them with an error naming both counts; none is broadcast into the
+    sum (rank 0 used to return g0 + g1[0] without a word)."""
+    from hipress.codecs import get_codec
+
+    r = hp.rank()
+    codec = get_codec("fp16")
+    if r == 1:
+        real = codec.encode
+        codec.encode = lambda x, name="": real(x[:1], name=name)
+    g = np.arange(64, dtype=np.float32) + r
+    try:
+        out = hp.allreduce(g, "short.grad", op="sum", codec=codec, strategy="gather")
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        # rank r's own PayloadError, or the SyncError telling it that a peer's decode failed
+        assert type(exc).__name__ in ("PayloadError", "SyncError"), repr(exc)
+        assert "PayloadError" in msg or type(exc).__name__ == "PayloadError", msg
+        assert "declares 1 elements (shape (1,)) but the receiver expects 64" in msg, msg
+        print(f"rank {r} REFUSED {type(exc).__name__}: {msg}", flush=True)
+    else:
+        raise AssertionError(f"a payload of 1 element was merged into 64: {out[:4]}")
+
+
 def hp_rank0():
     return _rank == 0
 
@@ -436,8 +462,8 @@ def main():
     for name in sys.argv[1:]:
         CASES[name]()
         print(f"rank {_rank} PASS {name}", flush=True)
-    if hp.is_initialized() and not {"stall_names_missing_rank",
-                                    "nonfinite_one_rank_fails_all"} & set(sys.argv):
+    if hp.is_initialized() and not {"stall_names_missing_rank", "nonfinite_one_rank_fails_all",
+                                    "peer_payload_wrong_size"} & set(sys.argv):
         hp.shutdown()
 
 
