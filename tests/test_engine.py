@@ -108,3 +108,10 @@ def test_peer_payload_of_wrong_size_is_refused_on_every_rank():
     assert len(refused) == 2, proc.stdout[-3000:]
     assert all("expects 64" in line for line in refused)
 
+
+def test_same_numel_different_shape_fails_negotiation_on_every_rank():
+    proc = run_cases(2, ["shape_mismatch_same_numel"], timeout=90)
+    lines = [line for line in proc.stdout.splitlines() if "MISMATCH" in line]
+    assert len(lines) == 2, proc.stdout[-3000:]
+    assert all("'psgd.shape'" in line and "[200, 100]" in line for line in lines)
+

@@ -480,9 +480,12 @@ class Engine:
             while self._queue:
                 sub = self._queue.popleft()
                 self._pending_local[sub.name] = sub
+                # the shape last: codecs may depend on it (PowerSGD's (m, n) matrix), so
+                # compressed gradients must agree on more than the element count
                 new.append([sub.name, int(sub.array.size), dtype_code(sub.array.dtype),
                             sub.codec_key, "average" if sub.average else "sum", sub.kind,
-                            sub.root, sub.strategy or "", sub.partitions or 0])
+                            sub.root, sub.strategy or "", sub.partitions or 0,
+                            _shape_meta(sub)])
             queue_empty = not self._queue
         bye = self._shutdown.is_set() and queue_empty and not self._sched.busy
         msg: Dict[str, Any] = {"new": new, "bye": bye}
@@ -542,10 +545,11 @@ class Engine:
             metas = ent["meta"]
             first = metas[0]
             # broadcast: only the root knows the size; compare kind and root alone
-            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 8)
+            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 9)
             bad = [r for r in range(self.size) if metas[r][sl] != first[sl]]
             if bad:
-                keys = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions")
+                keys = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions",
+                        "shape")
                 desc = {r: dict(zip(keys, metas[r])) for r in [0] + bad}
                 raise SyncError(
                     f"ranks disagree about gradient {name!r}: {desc}. Every rank must submit "
@@ -680,6 +684,11 @@ def _round_interval(cycle_s: float, idle_rounds: int) -> float:
     arrive or their interval ends.
     """
     return min(cycle_s * (1 << min(idle_rounds, 16)), max(cycle_s, _IDLE_ROUND_MAX_S))
+
+
+def _shape_meta(sub: _Submission) -> Optional[List[int]]:
+    """Return the shape ranks must agree on for ``sub``: compressed gradients only (None)."""
+    return [int(d) for d in sub.array.shape] if sub.codec is not None else None
 
 
 def _writable_contiguous(array: Any) -> bool:

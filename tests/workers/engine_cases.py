@@ -450,6 +450,26 @@ def peer_payload_wrong_size():
         raise AssertionError(f"a payload of 1 element was merged into 64: {out[:4]}")
 
 
+@case
+def shape_mismatch_same_numel():
+    """PowerSGD with (100, 200) on rank 0 and (200, 100) on rank 1 (same element count):
+    every rank raises the negotiation's SyncError naming both shapes (it used to end in
+    MPI_ERR_TRUNCATE)."""
+    r = hp.rank()
+    shape = (100, 200) if r == 0 else (200, 100)
+    g = np.ones(shape, np.float32)
+    try:
+        out = hp.allreduce(g, "psgd.shape", codec=hp_codec("powersgd", rank=1))
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        assert type(exc).__name__ == "SyncError", repr(exc)
+        assert "ranks disagree about gradient 'psgd.shape'" in msg, msg
+        assert "'shape': [100, 200]" in msg and "'shape': [200, 100]" in msg, msg
+        print(f"rank {r} MISMATCH {msg}", flush=True)
+    else:
+        raise AssertionError(f"mismatched shapes were synchronized: {out.shape}")
+
+
 def hp_rank0():
     return _rank == 0
 
@@ -463,7 +483,8 @@ def main():
         CASES[name]()
         print(f"rank {_rank} PASS {name}", flush=True)
     if hp.is_initialized() and not {"stall_names_missing_rank", "nonfinite_one_rank_fails_all",
-                                    "peer_payload_wrong_size"} & set(sys.argv):
+                                    "peer_payload_wrong_size",
+                                    "shape_mismatch_same_numel"} & set(sys.argv):
         hp.shutdown()
 
 
