@@ -247,9 +247,10 @@ class Engine:
                 f"HiPress shut down before {sub.name!r} was synchronized on every rank"))
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
-        """Return per-gradient statistics (see :func:`hipress.stats`)."""
+        """Return per-gradient statistics (see :func:`hipress.stats`); any thread, any time."""
         out = {}
-        for name, st in self.stats_table.items():
+        # a one-step copy (atomic under the GIL): the engine adds names while we read
+        for name, st in dict(self.stats_table).items():
             d = dict(st)
             if d.get("payload_bytes"):
                 d["compression_ratio"] = d.get("raw_bytes", 0) / d["payload_bytes"]
@@ -265,11 +266,26 @@ class Engine:
         return sum(mem.reset_prefix(prefix) for mem in self._memories.values())
 
     def state_dict(self) -> Dict[str, Any]:
-        """Return error-feedback memories and codec state, keyed by names (picklable)."""
+        """Return error-feedback memories and codec state, keyed by names (picklable).
+
+        Returns:
+            ``{"step": int, "memories": {memory key: {state name: NumPy array}},
+            "codecs": {codec key: codec state}}``; every array is a host copy (float32,
+            or float64 for float64 gradients).
+
+        May be called from any thread at any time, also while other threads submit new
+        names and the engine encodes: every table is copied in one step before it is
+        read, so new entries never break the iteration (they are in the result or not).
+        The values of a gradient whose synchronization is in flight may be caught between
+        two steps; for a consistent checkpoint call it when no handle is outstanding
+        (after synchronizing the step's gradients, before submitting the next ones).
+        """
+        memories = dict(self._memories)  # one-step copies (atomic under the GIL)
+        codecs = dict(self._codecs)
         return {
             "step": self.step_count,
-            "memories": {k: m.state_dict() for k, m in self._memories.items() if k != "none"},
-            "codecs": {k: c.state_dict() for k, c in self._codecs.items()},
+            "memories": {k: m.state_dict() for k, m in memories.items() if k != "none"},
+            "codecs": {k: c.state_dict() for k, c in codecs.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
