@@ -115,3 +115,6 @@ def test_same_numel_different_shape_fails_negotiation_on_every_rank():
     assert len(lines) == 2, proc.stdout[-3000:]
     assert all("'psgd.shape'" in line and "[200, 100]" in line for line in lines)
 
+
+def test_small_tag_space_never_reuses_a_tag_in_flight():
+    run_cases(2, ["many_in_flight_small_tag_space"], timeout=180, env={"TAG_BITS": "14"})

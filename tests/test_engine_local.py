@@ -1,7 +1,7 @@
-"""Engine pieces checked in one process, without mpirun: thread safety.
+"""Engine pieces checked in one process, without mpirun: startup checks and thread safety.
 
 The engine is built on a stand-in :class:`hipress.comm.World` (no MPI is touched at world
-size 1).
+size 1, and a refused startup raises before anything communicates).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hipress.codecs import get_codec
 from hipress.comm import World
 from hipress.config import config_from_dict
 from hipress.engine.engine import Engine
+from hipress.errors import HiPressError
 from hipress.memory import get_memory
 
 
@@ -70,6 +71,13 @@ def hammer(writer, reader, seconds: float = 3.0):
     for t in threads:
         t.join(seconds + 30)
     return errors, results
+
+
+# ----------------------------------------------------------------------- tag space
+def test_refuses_an_mpi_whose_tag_space_cannot_hold_one_task():
+    cfg = config_from_dict({"logging": {"level": "WARNING"}})
+    with pytest.raises(HiPressError, match=r"only 11 bits .*MPI_TAG_UB < 4096.* 12 bits"):
+        Engine(cfg, fake_world(size=2, tag_bits=11))
 
 
 # ------------------------------------------------------------ state_dict vs. new names
