@@ -262,7 +262,13 @@ def step() -> None:
 
 
 def state_dict() -> Dict[str, Any]:
-    """Return residuals and codec state keyed by gradient name (NumPy arrays; picklable)."""
+    """Return residuals and codec state keyed by gradient name (NumPy arrays; picklable).
+
+    May be called from any thread at any time, also while other threads submit new
+    gradients; values of gradients still in flight may be caught between two steps, so
+    checkpoint after synchronizing a step's handles. See
+    :meth:`hipress.engine.Engine.state_dict` for the layout.
+    """
     return _engine().state_dict()
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import pickle
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hipress.backend import bfloat16
+from hipress.backend import bfloat16, dtype_code
 from hipress.codecs import codec_names, get_codec
 from hipress.codecs.base import Payload, codec_class, header_nbytes
 from hipress.errors import CodecError, PayloadError
@@ -259,6 +260,105 @@ def test_fuzz_mutated_valid_payloads(name, shape, dtype, edits, cut):
     if cut is not None:
         wire = wire[: cut % (len(wire) + 1)]
     _decode_or_value_error(codec, bytes(wire))
+
+
+# ------------------------------------------------------- expected element counts
+def with_shape(wire, shape):
+    """Return ``wire`` with the shape in its header replaced by ``shape`` (same ndim)."""
+    ndim = wire[7]
+    assert len(shape) == ndim
+    return wire[:8] + b"".join(struct.pack("<Q", d) for d in shape) + wire[8 + 8 * ndim:]
+
+
+def traced_peak(fn):
+    """Run ``fn`` under tracemalloc (NumPy reports its buffers there); return (result, peak)."""
+    tracemalloc.start()
+    try:
+        out = fn()
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_wrong_element_count_is_refused_before_allocating(name):
+    """A header claiming 2**24 elements where 33 are expected never reaches the decoder.
+
+    For variable-size codecs (DGC, GradDrop, top-k, ...) the forged header is otherwise
+    valid (33 entries fit in the layout of 2**24) and an unchecked decode allocates
+    64 MiB or more; for fixed-size codecs the layout check would catch it, later.
+    """
+    codec = make(name)
+    x = sample((33,), np.float32, seed=8)
+    wire = codec.encode(x, "w").to_bytes()
+    bomb = with_shape(wire, (2**24,))
+    msg = r"declares 16777216 elements \(shape \(16777216,\)\) but the receiver expects 33"
+
+    def attempts():
+        errors = []
+        for call in (lambda: Payload.from_bytes(bomb, numel=33),
+                     lambda: codec.decode(Payload.from_bytes(bomb), numel=33),
+                     lambda: codec.decode_add(Payload.from_bytes(bomb), np.zeros(33, np.float32)),
+                     lambda: codec.decode_into(Payload.from_bytes(bomb), np.zeros(33, np.float32))):
+            with pytest.raises(PayloadError, match=msg) as info:
+                call()
+            errors.append(info.value)
+        return errors
+
+    errors, peak = traced_peak(attempts)
+    assert len(errors) == 4
+    assert peak < 1 << 20, f"{peak} bytes allocated before the count was checked"
+    # the genuine payload still decodes, to the same values with or without the check
+    want = codec.decode(Payload.from_bytes(wire))
+    got = codec.decode(Payload.from_bytes(wire, numel=33), numel=33)
+    np.testing.assert_array_equal(got, want)
+    acc = np.ones(33, np.float32)
+    codec.decode_add(Payload.from_bytes(wire), acc)
+    np.testing.assert_array_equal(acc, 1 + want)
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_short_payload_is_never_broadcast_into_the_sum(name):
+    """A peer's payload of shape (1,) merged into 33 elements raises; nothing is written."""
+    codec = make(name)
+    short = Payload.from_bytes(codec.encode(np.array([3.0], np.float32), "w").to_bytes())
+    msg = "declares 1 elements .* expects 33"
+    acc = np.full(33, 2.0, np.float32)
+    with pytest.raises(PayloadError, match=msg):
+        codec.decode_add(short, acc)
+    np.testing.assert_array_equal(acc, np.full(33, 2.0, np.float32))
+    out = np.full(33, 5.0, np.float32)
+    with pytest.raises(PayloadError, match=msg):
+        codec.decode_into(short, out, 2)
+    np.testing.assert_array_equal(out, np.full(33, 5.0, np.float32))
+    with pytest.raises(PayloadError, match=msg):
+        codec.decode(short, numel=33)
+    # without an expected count the header is trusted (the public API stays compatible)
+    assert codec.decode(short).shape == (1,)
+
+
+def test_forty_byte_dgc_payload_claiming_2_to_the_30_elements():
+    """The audit's case: 40 bytes, shape (2**30,), no entries; decoding it took 4 GiB."""
+    head = struct.pack("<2sBBHBB", b"HP", 1, 0, get_codec("dgc").codec_id, 3, 1)
+    head += struct.pack("<Q", 2**30) + b"\x02"
+    head += struct.pack("<BQ", dtype_code(np.int32), 0)  # no indices
+    head += struct.pack("<BQ", dtype_code(np.float32), 0)  # no values
+    bomb = head.ljust(header_nbytes(1, 2), b"\0")
+    assert len(bomb) == 40
+    assert Payload.from_bytes(bomb).numel == 2**30  # a well-formed header, on its own
+    codec = get_codec("dgc")
+    msg = "declares 1073741824 elements .* expects 1000"
+
+    def attempts():
+        with pytest.raises(PayloadError, match=msg):
+            Payload.from_bytes(bomb, numel=1000)
+        with pytest.raises(PayloadError, match=msg):
+            codec.decode(Payload.from_bytes(bomb), numel=1000)
+        with pytest.raises(PayloadError, match=msg):
+            codec.decode_add(Payload.from_bytes(bomb), np.zeros(1000, np.float32))
+
+    _, peak = traced_peak(attempts)
+    assert peak < 1 << 20, peak
 
 
 # ------------------------------------------------------------------- summability

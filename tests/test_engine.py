@@ -110,3 +110,21 @@ def test_timeline_is_a_chrome_trace(tmp_path):
     assert enc and all(e["args"]["gradient"] == "tl.onebit" for e in enc)
     assert all(e["dur"] >= 0 and "ts" in e for e in events)
     assert data["otherData"]["world_size"] == 3
+
+
+def test_peer_payload_of_wrong_size_is_refused_on_every_rank():
+    proc = run_cases(2, ["peer_payload_wrong_size"], timeout=90)
+    refused = [line for line in proc.stdout.splitlines() if "REFUSED" in line]
+    assert len(refused) == 2, proc.stdout[-3000:]
+    assert all("expects 64" in line for line in refused)
+
+
+def test_same_numel_different_shape_fails_negotiation_on_every_rank():
+    proc = run_cases(2, ["shape_mismatch_same_numel"], timeout=90)
+    lines = [line for line in proc.stdout.splitlines() if "MISMATCH" in line]
+    assert len(lines) == 2, proc.stdout[-3000:]
+    assert all("'psgd.shape'" in line and "[200, 100]" in line for line in lines)
+
+
+def test_small_tag_space_never_reuses_a_tag_in_flight():
+    run_cases(2, ["many_in_flight_small_tag_space"], timeout=180, env={"TAG_BITS": "14"})

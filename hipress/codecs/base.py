@@ -71,6 +71,25 @@ def layout_nbytes(ndim: int, layout: Sequence[Tuple[Any, int]]) -> int:
     return header_nbytes(ndim, len(layout)) + body
 
 
+def check_numel(shape: Sequence[int], numel: Optional[int]) -> None:
+    """Check that a payload's declared ``shape`` holds ``numel`` elements (None: any).
+
+    Raises:
+        PayloadError: the counts differ; the message names both. Nothing is allocated
+            before this check, so a forged header costs nothing.
+    """
+    if numel is None:
+        return
+    claimed = math.prod(int(d) for d in shape)
+    if claimed != int(numel):
+        raise PayloadError(
+            f"payload declares {claimed} elements (shape {tuple(int(d) for d in shape)}) but "
+            f"the receiver expects {int(numel)}: the sender encoded a gradient of another "
+            "size under this name, or the payload is forged or corrupted. Every rank must "
+            "submit the same shape for a name"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Payload:
     """An encoded gradient: raw typed sections plus what is needed to rebuild the array.
@@ -119,16 +138,23 @@ class Payload:
         return out
 
     @classmethod
-    def from_bytes(cls, buf: Any, xp: Any = np) -> Payload:
+    def from_bytes(cls, buf: Any, xp: Any = np, numel: Optional[int] = None) -> Payload:
         """Parse a wire buffer (bytes, bytearray, memoryview or uint8 array).
 
         Args:
             buf: the serialized payload; it is not copied on the CPU (sections are views).
             xp: ``numpy`` (default) or ``cupy``: where the sections should live.
+            numel: the number of gradient elements the caller expects the payload to
+                carry (the product of the header's shape), or None to accept any. Give it
+                for every payload that came from another process: the header's shape is
+                otherwise trusted, and a variable-size (sparse) payload of a few bytes
+                may declare up to 2**48 elements, which decoding would allocate.
 
         Raises:
             PayloadError: the buffer is truncated, too long, has a wrong magic, version,
-                dtype code or shape, or declares sections that do not fit.
+                dtype code or shape, declares sections that do not fit, or declares a
+                number of elements other than ``numel`` (checked before any section is
+                looked at or copied).
         """
         mv = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
         if mv.dtype != np.uint8 or mv.ndim != 1:
@@ -155,6 +181,7 @@ class Payload:
         pos += 8 * ndim
         if any(d > 2**48 for d in shape) or math.prod(shape) > 2**48:
             raise PayloadError(f"payload declares an impossible shape {shape}")
+        check_numel(shape, numel)
         (nsec,) = struct.unpack_from("<B", mv, pos)
         pos += 1
         if n < pos + _SECTION.size * nsec:
@@ -254,13 +281,25 @@ class Codec(abc.ABC):
         sections = self._encode(flat, shape, name)
         return Payload(self.codec_id, dt, shape, tuple(sections))
 
-    def decode(self, payload: Payload) -> Any:
+    def decode(self, payload: Payload, numel: Optional[int] = None) -> Any:
         """Decode a payload of this codec into an array of the original shape and dtype.
 
+        Args:
+            payload: a payload of this codec (e.g. from :meth:`Payload.from_bytes`).
+            numel: the number of elements the caller expects (the product of
+                ``payload.shape``), or None to trust the payload's header. Give it for
+                payloads from another process: a variable-size payload of a few bytes may
+                declare up to 2**48 elements, which decoding would allocate.
+
+        Returns:
+            An array of ``payload.shape`` and ``payload.dtype`` on the sections' device.
+
         Raises:
-            PayloadError: the payload belongs to another codec or its sections do not
-                match the layout this codec declares for its shape.
+            PayloadError: the payload belongs to another codec, declares a number of
+                elements other than ``numel`` (checked before anything is allocated), or
+                its sections do not match the layout this codec declares for its shape.
         """
+        check_numel(payload.shape, numel)
         if payload.codec_id != self.codec_id:
             raise PayloadError(
                 f"payload was made by codec id {payload.codec_id}, not by {self.name!r} "
@@ -309,17 +348,33 @@ class Codec(abc.ABC):
             payload: a payload of this codec for ``acc.size`` elements.
             acc: 1-D float array (compute dtype), on the payload's device.
 
-        Codecs with a fused kernel override it to skip the decoded temporary.
+        Raises:
+            PayloadError: as :meth:`decode`; in particular when the payload declares a
+                number of elements other than ``acc.size`` (a payload of one element is
+                never broadcast into ``acc``).
+
+        Codecs with a fused kernel override it to skip the decoded temporary; they must
+        check the count the same way (calling this method for what they do not handle).
         """
-        acc += self.decode(payload).reshape(-1).astype(acc.dtype, copy=False)
+        acc += self.decode(payload, numel=acc.size).reshape(-1).astype(acc.dtype, copy=False)
 
     def decode_into(self, payload: Payload, out: Any, divisor: int = 1) -> None:
         """Write ``decode(payload) / divisor`` into ``out``, rounded to ``out``'s dtype.
 
         The same values as :func:`hipress.backend.store_scaled` of the decoded array.
         Codecs with a fused kernel override it to decode straight into ``out``.
+
+        Args:
+            payload: a payload of this codec for ``out.size`` elements.
+            out: 1-D array of any float dtype, on the payload's device.
+            divisor: positive integer the decoded values are divided by (the world size
+                for an average).
+
+        Raises:
+            PayloadError: as :meth:`decode`; in particular when the payload declares a
+                number of elements other than ``out.size``.
         """
-        store_scaled(self.decode(payload), out, divisor)
+        store_scaled(self.decode(payload, numel=out.size), out, divisor)
 
     def payload_layout(self, shape: Tuple[int, ...], dtype: Any) -> Layout:
         """Return the (dtype, count) of each section for a gradient of ``shape``.

@@ -246,8 +246,12 @@ class PowerSGDCodec(Codec):
         return q
 
     def state_dict(self) -> Dict[str, Any]:
-        """Return ``{gradient name: warm-start Q}`` as NumPy copies (float32 or float64)."""
-        return {k: np.array(to_host(v), copy=True) for k, v in self._q.items()}
+        """Return ``{gradient name: warm-start Q}`` as NumPy copies (float32 or float64).
+
+        Safe while other threads encode new names: the table is copied in one step
+        (atomic under the GIL) before the arrays are.
+        """
+        return {k: np.array(to_host(v), copy=True) for k, v in dict(self._q).items()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Replace the warm-start Q matrices by those of :meth:`state_dict` (copied).

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import functools
 import json
 import logging
 import math
@@ -154,7 +155,19 @@ class Engine:
         self._poke = threading.Event()  # wakes the engine thread: new work or a finished step
         self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
                                 config.sync.stall_timeout_s, on_compute_done=self._poke.set)
-        self._tag_task_bits = max(4, world.tag_bits - _SUB_BITS)
+        # tags: a task id in the high bits, _SUB_BITS for the messages of one task; ids
+        # still held by running tasks are never handed out again (see _launch)
+        self._tag_task_bits = world.tag_bits - _SUB_BITS
+        if self.size > 1 and self._tag_task_bits < 0:
+            raise HiPressError(
+                f"this MPI's tag upper bound allows only {world.tag_bits} bits "
+                f"(MPI_TAG_UB < {1 << _SUB_BITS}) but HiPress needs {_SUB_BITS} bits of tag "
+                "per task; the MPI standard guarantees MPI_TAG_UB >= 32767, so this MPI does "
+                "not conform: use Open MPI or MPICH"
+            )
+        self._tids_busy: set = set()
+        self._held: Deque[Tuple[int, Any, str]] = collections.deque()
+        self._warned_tags = False
         # SeCoPa (sync.plan): collective on every rank, before the engine thread starts
         self._plan = PlanFollower(config, world, _build_codec)
         self._plan.setup()
@@ -295,9 +308,10 @@ class Engine:
                 f"HiPress shut down before {sub.name!r} was synchronized on every rank"))
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
-        """Return per-gradient statistics (see :func:`hipress.stats`)."""
+        """Return per-gradient statistics (see :func:`hipress.stats`); any thread, any time."""
         out = {}
-        for name, st in self.stats_table.items():
+        # a one-step copy (atomic under the GIL): the engine adds names while we read
+        for name, st in dict(self.stats_table).items():
             d = dict(st)
             if d.get("payload_bytes"):
                 d["compression_ratio"] = d.get("raw_bytes", 0) / d["payload_bytes"]
@@ -313,11 +327,26 @@ class Engine:
         return sum(mem.reset_prefix(prefix) for mem in self._memories.values())
 
     def state_dict(self) -> Dict[str, Any]:
-        """Return error-feedback memories and codec state, keyed by names (picklable)."""
+        """Return error-feedback memories and codec state, keyed by names (picklable).
+
+        Returns:
+            ``{"step": int, "memories": {memory key: {state name: NumPy array}},
+            "codecs": {codec key: codec state}}``; every array is a host copy (float32,
+            or float64 for float64 gradients).
+
+        May be called from any thread at any time, also while other threads submit new
+        names and the engine encodes: every table is copied in one step before it is
+        read, so new entries never break the iteration (they are in the result or not).
+        The values of a gradient whose synchronization is in flight may be caught between
+        two steps; for a consistent checkpoint call it when no handle is outstanding
+        (after synchronizing the step's gradients, before submitting the next ones).
+        """
+        memories = dict(self._memories)  # one-step copies (atomic under the GIL)
+        codecs = dict(self._codecs)
         return {
             "step": self.step_count,
-            "memories": {k: m.state_dict() for k, m in self._memories.items() if k != "none"},
-            "codecs": {k: c.state_dict() for k, c in self._codecs.items()},
+            "memories": {k: m.state_dict() for k, m in memories.items() if k != "none"},
+            "codecs": {k: c.state_dict() for k, c in codecs.items()},
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -564,6 +593,8 @@ class Engine:
             if self._sched.busy and self._local_error is None:
                 try:
                     progressed = self._sched.poll()
+                    if self._held:  # tasks that finished may have freed their tags
+                        self._start_held()
                 except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
                     self._local_error = exc
                     self._wake.set()
@@ -623,12 +654,15 @@ class Engine:
             while self._queue:
                 sub = self._queue.popleft()
                 self._pending_local[sub.name] = sub
+                # the shape last: codecs may depend on it (PowerSGD's (m, n) matrix), so
+                # compressed gradients must agree on more than the element count
                 new.append([sub.name, int(sub.array.size), dtype_code(sub.array.dtype),
                             sub.codec_key, "average" if sub.average else "sum", sub.kind,
                             sub.root, sub.strategy or "", sub.partitions or 0,
-                            _finite_flag(sub)])
+                            _shape_meta(sub), _finite_flag(sub)])
             queue_empty = not self._queue
-        bye = self._shutdown.is_set() and queue_empty and not self._sched.busy
+        bye = (self._shutdown.is_set() and queue_empty and not self._sched.busy
+               and not self._held)
         msg: Dict[str, Any] = {"new": new, "bye": bye}
         if self._local_error is not None:
             msg["error"] = f"{type(self._local_error).__name__}: {self._local_error}"
@@ -686,10 +720,11 @@ class Engine:
             metas = ent["meta"]
             first = metas[0]
             # broadcast: only the root knows the size; compare kind and root alone
-            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 8)
+            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 9)
             bad = [r for r in range(self.size) if metas[r][sl] != first[sl]]
             if bad:
-                keys = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions")
+                keys = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions",
+                        "shape")
                 desc = {r: dict(zip(keys, metas[r])) for r in [0] + bad}
                 raise SyncError(
                     f"ranks disagree about gradient {name!r}: {desc}. Every rank must submit "
@@ -697,7 +732,7 @@ class Engine:
                     "the same config and SeCoPa plan)"
                 )
             sub = self._pending_local.pop(name)
-            nonfinite = [r for r in range(self.size) if not metas[r][8]]
+            nonfinite = [r for r in range(self.size) if not metas[r][9]]
             if nonfinite:
                 self._uncompress_nonfinite(sub, nonfinite)
             started.append(sub)
@@ -726,9 +761,41 @@ class Engine:
         sub.codec, sub.codec_key, sub.partitions = None, "none", None
 
     def _next_tag(self) -> int:
+        """Return the base tag of the next task: its task id << _SUB_BITS.
+
+        Ids are handed out round-robin in the agreed start order, so every rank gives a
+        task the same tags. An id can come round again while the task that had it is still
+        running (on a small MPI_TAG_UB, or with very many tasks in flight): never reuse it
+        then, see :meth:`_launch`.
+        """
         tid = self._task_id % (1 << self._tag_task_bits)
         self._task_id += 1
         return tid << _SUB_BITS
+
+    def _launch(self, gen: Any, label: str, tag: int) -> None:
+        """Start a task graph that uses the tags of ``tag``'s task id, once the id is free.
+
+        A task whose id is still held by a running task waits in a FIFO queue, and tasks
+        behind it wait too: every rank then starts tasks in the same order and no two
+        running tasks ever share a tag, so messages never match the wrong task. This
+        cannot deadlock: a task waits only for tasks started before it, on every rank.
+        """
+        self._held.append((tag >> _SUB_BITS, gen, label))
+        self._start_held()
+
+    def _start_held(self) -> None:
+        """Start waiting task graphs, in order, while their task ids are free."""
+        while self._held and self._held[0][0] not in self._tids_busy:
+            tid, gen, label = self._held.popleft()
+            self._tids_busy.add(tid)
+            self._sched.add(gen, label, on_done=functools.partial(self._tids_busy.discard, tid))
+        if self._held and not self._warned_tags:
+            self._warned_tags = True
+            logger.warning(
+                "all %d MPI tag ranges are in use (MPI_TAG_UB allows %d bits); further tasks "
+                "wait for one to finish, which limits overlap. An MPI with a larger "
+                "MPI_TAG_UB (Open MPI, MPICH: 2**31 - 1) removes the wait",
+                1 << self._tag_task_bits, self.world.tag_bits)
 
     def _start(self, subs: List[_Submission]) -> None:
         """Plan ready submissions (in agreed order) and start their task graphs."""
@@ -744,20 +811,22 @@ class Engine:
             st["codec"] = sub.codec.name if sub.codec is not None else "none"
             st["strategy"] = path
             if path == "broadcast":
-                self._sched.add(T.broadcast_task(self.env, job, sub.root, self._next_tag()),
-                                sub.name)
+                tag = self._next_tag()
+                self._launch(T.broadcast_task(self.env, job, sub.root, tag), sub.name, tag)
             elif path == "direct":
                 n = job.flat.size
                 parts = max(1, min(n, math.ceil(job.flat.nbytes / _DIRECT_PARTITION_BYTES)))
                 bounds = T._bounds(n, parts)
                 job.parts_left = parts
                 for p in range(parts):
-                    self._sched.add(T.direct_task(self.env, job, bounds[p], bounds[p + 1], p,
-                                                  self._next_tag()), f"{sub.name}#p{p}")
+                    tag = self._next_tag()
+                    self._launch(T.direct_task(self.env, job, bounds[p], bounds[p + 1], p, tag),
+                                 f"{sub.name}#p{p}", tag)
             elif path == "fused":
                 fused.setdefault(np.dtype(sub.array.dtype), []).append(job)
             elif path == "allreduce":
-                self._sched.add(T.summable_task(self.env, job, self._next_tag()), sub.name)
+                tag = self._next_tag()
+                self._launch(T.summable_task(self.env, job, tag), sub.name, tag)
             else:
                 n = job.flat.size
                 parts = min(sub.partitions or self._partitions(n * job.flat.dtype.itemsize), n)
@@ -765,15 +834,16 @@ class Engine:
                 job.parts_left = parts
                 for p in range(parts):
                     lo, hi = bounds[p], bounds[p + 1]
+                    tag = self._next_tag()
                     if path == "ps":
                         # from the name, not a counter: survives checkpoints and restarts
                         agg = (zlib.crc32(sub.name.encode()) + p) % self.size
-                        gen = T.ps_task(self.env, job, lo, hi, p, agg, self._next_tag())
+                        gen = T.ps_task(self.env, job, lo, hi, p, agg, tag)
                     elif path == "gather":
-                        gen = T.gather_task(self.env, job, lo, hi, p, parts, self._next_tag())
+                        gen = T.gather_task(self.env, job, lo, hi, p, parts, tag)
                     else:
-                        gen = T.ring_task(self.env, job, lo, hi, p, self._next_tag())
-                    self._sched.add(gen, f"{sub.name}#p{p}")
+                        gen = T.ring_task(self.env, job, lo, hi, p, tag)
+                    self._launch(gen, f"{sub.name}#p{p}", tag)
         limit = self.cfg.sync.fusion_threshold_bytes
         for jobs in fused.values():
             buckets: List[List[T.Job]] = [[]]
@@ -784,9 +854,12 @@ class Engine:
                     nbytes = 0
                 buckets[-1].append(job)
                 nbytes += job.flat.nbytes
-            # buckets of one round run one after another: all at once they thrash memory
-            tags = [self._next_tag() for _ in buckets]
-            self._sched.add(T.fused_chain_task(self.env, buckets, tags), "fused")
+            # buckets of one round run one after another: all at once they thrash memory.
+            # One after another, they can share the chain's tags (MPI delivers messages of
+            # one sender and tag in order), so a chain holds one task id however long.
+            tag = self._next_tag()
+            self._launch(T.fused_chain_task(self.env, buckets, [tag] * len(buckets)), "fused",
+                         tag)
 
     def _direct(self, job: T.Job) -> bool:
         """Return True for an uncompressed gradient that skips the fusion buffer.
@@ -860,6 +933,11 @@ def _round_interval(cycle_s: float, idle_rounds: int) -> float:
     arrive or their interval ends.
     """
     return min(cycle_s * (1 << min(idle_rounds, 16)), max(cycle_s, _IDLE_ROUND_MAX_S))
+
+
+def _shape_meta(sub: _Submission) -> Optional[List[int]]:
+    """Return the shape ranks must agree on for ``sub``: compressed gradients only (None)."""
+    return [int(d) for d in sub.array.shape] if sub.codec is not None else None
 
 
 def _writable_contiguous(array: Any) -> bool:

@@ -97,10 +97,12 @@ class _Op:
 
 
 class _Task:
-    __slots__ = ("gen", "ops", "many", "label", "since", "pending")
+    __slots__ = ("gen", "ops", "many", "label", "since", "pending", "on_done")
 
-    def __init__(self, gen: TaskGen, label: str) -> None:
+    def __init__(self, gen: TaskGen, label: str,
+                 on_done: Optional[Callable[[], None]] = None) -> None:
         self.gen = gen
+        self.on_done = on_done
         self.ops: List[_Op] = []
         self.many = False
         self.label = label
@@ -146,9 +148,18 @@ class Scheduler:
         self._on_compute_done = on_compute_done
         self._last_timeout_check = time.monotonic()
 
-    def add(self, gen: TaskGen, label: str) -> None:
-        """Start a task coroutine (it runs until its first primitive right away)."""
-        task = _Task(gen, label)
+    def add(self, gen: TaskGen, label: str,
+            on_done: Optional[Callable[[], None]] = None) -> None:
+        """Start a task coroutine (it runs until its first primitive right away).
+
+        Args:
+            gen: the task graph.
+            label: its name in timeouts and errors.
+            on_done: called (on the driving thread, from :meth:`add` or :meth:`poll`) when
+                the coroutine returns; not called when it raises (the error propagates
+                and the engine stops).
+        """
+        task = _Task(gen, label, on_done)
         self._advance(task, None)
         if task.gen is not None:
             self.tasks.add(task)
@@ -242,6 +253,8 @@ class Scheduler:
                 req = task.gen.send(value)
             except StopIteration:
                 task.gen = None
+                if task.on_done is not None:
+                    task.on_done()
                 return
             task.many = isinstance(req, list)
             reqs = req if task.many else [req]

@@ -124,13 +124,17 @@ def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
 
 
 def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[Any],
-                     part: str, extra: Any = None) -> Any:
+                     part: str, numel: int, extra: Any = None) -> Any:
     """Decode payloads and sum them in the given (rank) order, plus ``extra`` if given.
 
     An entry of ``bufs`` that is a (bytes, decoded) pair from :func:`_encode_step` with a
     decoded array is used as it is instead of being decoded again. After the first
     payload, each is added with the codec's :meth:`~hipress.codecs.Codec.decode_add`
     (one pass, no decoded temporary where the codec has a fused kernel).
+
+    Raises:
+        PayloadError: a payload does not declare exactly ``numel`` elements (the size of
+            the chunk being merged), checked before it is decoded.
     """
     xp = array_module(job.flat)
     with env.timeline.span("decode+merge", gradient=job.name, partition=part,
@@ -138,25 +142,29 @@ def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[Any],
         acc = None
         for buf in bufs:
             if acc is None:
-                v = _decoded(codec, buf, xp)
+                v = _decoded(codec, buf, xp, numel)
                 acc = v.astype(compute_dtype(v.dtype), copy=False)  # a new array: ours
             elif isinstance(buf, tuple) and buf[1] is not None:
                 acc += buf[1].reshape(-1).astype(acc.dtype, copy=False)
             else:
                 raw = buf[0] if isinstance(buf, tuple) else buf
-                codec.decode_add(Payload.from_bytes(raw, xp=xp), acc)
+                codec.decode_add(Payload.from_bytes(raw, xp=xp, numel=numel), acc)
         if extra is not None:
             acc = extra.astype(acc.dtype, copy=True) if acc is None else acc.__iadd__(extra)
     return acc
 
 
-def _decoded(codec: Codec, buf: Any, xp: Any) -> Any:
-    """Return the decoded payload of wire bytes, or of an (_encode_step) pair."""
+def _decoded(codec: Codec, buf: Any, xp: Any, numel: int) -> Any:
+    """Return the decoded payload of wire bytes, or of an (_encode_step) pair.
+
+    Raises:
+        PayloadError: the wire bytes do not declare exactly ``numel`` elements.
+    """
     if isinstance(buf, tuple):
         buf, dec = buf
         if dec is not None:
             return dec.reshape(-1)
-    return codec.decode(Payload.from_bytes(buf, xp=xp)).reshape(-1)
+    return codec.decode(Payload.from_bytes(buf, xp=xp, numel=numel), numel=numel).reshape(-1)
 
 
 def _decode_write_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, lo: int, hi: int,
@@ -168,8 +176,8 @@ def _decode_write_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, lo: int, 
             store_scaled(buf[1], job.out[lo:hi], divisor)
             return
         raw = buf[0] if isinstance(buf, tuple) else buf
-        codec.decode_into(Payload.from_bytes(raw, xp=array_module(job.flat)), job.out[lo:hi],
-                          divisor)
+        codec.decode_into(Payload.from_bytes(raw, xp=array_module(job.flat), numel=hi - lo),
+                          job.out[lo:hi], divisor)
 
 
 def _comm(env: TaskEnv, job: Job, part: str, kind: str, ops: List[Any]) -> Generator:
@@ -212,7 +220,7 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
             Recv(r, tag, nbytes) for r in range(N) if r != me])
         bufs = list(got)
         bufs.insert(me, own)
-        merged = yield Compute(_decode_sum_step, (env, job, codec, bufs, label))
+        merged = yield Compute(_decode_sum_step, (env, job, codec, bufs, label, hi - lo))
         skey = f"{key}@agg"
         sfb = job.memory.name != "none"
         final = yield Compute(_encode_step, (env, job, codec, merged, skey, sfb, label + "@agg"))
@@ -261,6 +269,7 @@ def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> 
         _, got = yield from _comm(env, job, label, "send+recv", [
             Send(nxt, payload[0], tag + s), Recv(prv, tag + s, nbytes(recv_idx))])
         merged = yield Compute(_decode_sum_step, (env, job, codec, [got], f"{label}c{recv_idx}",
+                                                  b[recv_idx + 1] - b[recv_idx],
                                                   _own_chunk(job, chunk(recv_idx), ckey(recv_idx),
                                                              fb)))
         payload = yield Compute(_encode_step, (env, job, codec, merged, ckey(recv_idx),
@@ -320,7 +329,7 @@ def gather_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, parts: int,
         Recv(r, tag, None) for r in range(N) if r != me])
     bufs = list(got[N - 1:])
     bufs.insert(me, own)
-    total = yield Compute(_decode_sum_step, (env, job, codec, bufs, label))
+    total = yield Compute(_decode_sum_step, (env, job, codec, bufs, label, hi - lo))
     _write(job, lo, hi, total, N)
     _stat(env, job.name, payload_bytes=int(own[0].size),
           raw_bytes=(hi - lo) * job.flat.dtype.itemsize)

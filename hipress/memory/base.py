@@ -81,8 +81,14 @@ class Memory:
         return self._state.get(name)
 
     def state_dict(self) -> Dict[str, np.ndarray]:
-        """Return {gradient name: float32 NumPy copy of its state}."""
-        return {k: np.array(to_host(v), copy=True) for k, v in self._state.items()}
+        """Return {gradient name: NumPy copy of its state} (float32; float64 for float64).
+
+        Safe while other threads add gradients (the engine's compute threads do, on the
+        first encode of a name): the table is copied in one step (atomic under the GIL)
+        before the arrays are. An array being updated at that moment may hold either
+        step's values; checkpoint between steps for a consistent state.
+        """
+        return {k: np.array(to_host(v), copy=True) for k, v in dict(self._state).items()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Replace the state with ``state`` (arrays are copied, kept in float32 or float64)."""

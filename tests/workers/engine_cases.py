@@ -508,11 +508,95 @@ def direct_calls_exact_under_policy():
         -999, 999, 2048).astype(np.float32) * n)
 
 
+@case
+def peer_payload_wrong_size():
+    """Rank 1's payloads claim shape (1,) for a 64-element gradient (gather path, fp16):
+    every rank refuses them with an error naming both counts; none is broadcast into the
+    sum (rank 0 used to return g0 + g1[0] without a word)."""
+    from hipress.codecs import get_codec
+
+    r = hp.rank()
+    codec = get_codec("fp16")
+    if r == 1:
+        real = codec.encode
+        codec.encode = lambda x, name="": real(x[:1], name=name)
+    g = np.arange(64, dtype=np.float32) + r
+    try:
+        out = hp.allreduce(g, "short.grad", op="sum", codec=codec, strategy="gather")
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        # rank r's own PayloadError, or the SyncError telling it that a peer's decode failed
+        assert type(exc).__name__ in ("PayloadError", "SyncError"), repr(exc)
+        assert "PayloadError" in msg or type(exc).__name__ == "PayloadError", msg
+        assert "declares 1 elements (shape (1,)) but the receiver expects 64" in msg, msg
+        print(f"rank {r} REFUSED {type(exc).__name__}: {msg}", flush=True)
+    else:
+        raise AssertionError(f"a payload of 1 element was merged into 64: {out[:4]}")
+
+
+@case
+def shape_mismatch_same_numel():
+    """PowerSGD with (100, 200) on rank 0 and (200, 100) on rank 1 (same element count):
+    every rank raises the negotiation's SyncError naming both shapes (it used to end in
+    MPI_ERR_TRUNCATE)."""
+    r = hp.rank()
+    shape = (100, 200) if r == 0 else (200, 100)
+    g = np.ones(shape, np.float32)
+    try:
+        out = hp.allreduce(g, "psgd.shape", codec=hp_codec("powersgd", rank=1))
+    except Exception as exc:  # noqa: BLE001
+        msg = str(exc)
+        assert type(exc).__name__ == "SyncError", repr(exc)
+        assert "ranks disagree about gradient 'psgd.shape'" in msg, msg
+        assert "'shape': [100, 200]" in msg and "'shape': [200, 100]" in msg, msg
+        print(f"rank {r} MISMATCH {msg}", flush=True)
+    else:
+        raise AssertionError(f"mismatched shapes were synchronized: {out.shape}")
+
+
+@case
+def many_in_flight_small_tag_space():
+    """Run with TAG_BITS=14 (an MPI_TAG_UB of 16383): 4 task ids for 340 gradients in
+    flight at once, over every path; every result exact and every tag within the bound."""
+    from hipress.api import _engine
+
+    eng = _engine()
+    assert eng.world.tag_bits == 14
+    tags = set()
+    start = eng._sched._start
+
+    def spy(req, task):
+        if hasattr(req, "tag"):
+            tags.add(req.tag)
+        return start(req, task)
+
+    eng._sched._start = spy
+    r, n = hp.rank(), hp.size()
+    paths = [("fp16", None), ("onebit", "ps"), ("onebit", "ring"),
+             (hp_codec("topk", ratio=1.0), None), ("none", None)]
+    handles = {}
+    for i in range(340):
+        codec, strategy = paths[i % len(paths)]
+        g = np.full(16, float(i + r), np.float32)
+        handles[i] = hp.allreduce_async(g, f"tags.{i}", op="sum", codec=codec,
+                                        strategy=strategy)
+    for i, h in handles.items():
+        got = hp.synchronize(h)
+        want = np.full(16, float(n * i + n * (n - 1) // 2), np.float32)
+        assert np.array_equal(got, want), (i, paths[i % len(paths)], got[:4], want[:4])
+    assert tags and max(tags) < 2**14, max(tags)
+    assert len({t >> 12 for t in tags}) == 4, sorted({t >> 12 for t in tags})
+
+
 def hp_rank0():
     return _rank == 0
 
 
 def main():
+    if os.environ.get("TAG_BITS"):  # simulate an MPI with a smaller MPI_TAG_UB
+        from hipress import comm
+
+        comm.world().tag_bits = int(os.environ["TAG_BITS"])
     hp.init({"compression": {"min_compress_bytes": 0},
              "sync": {"stall_timeout_s": float(os.environ.get("STALL", "30")),
                       "partition_bytes": 8192},
@@ -520,8 +604,9 @@ def main():
     for name in sys.argv[1:]:
         CASES[name]()
         print(f"rank {_rank} PASS {name}", flush=True)
-    if hp.is_initialized() and not {"stall_names_missing_rank",
-                                    "failure_on_one_rank_fails_all"} & set(sys.argv):
+    if hp.is_initialized() and not {"stall_names_missing_rank", "failure_on_one_rank_fails_all",
+                                    "peer_payload_wrong_size",
+                                    "shape_mismatch_same_numel"} & set(sys.argv):
         hp.shutdown()
 
 

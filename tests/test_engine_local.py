@@ -1,0 +1,157 @@
+"""Engine pieces checked in one process, without mpirun: startup checks and thread safety.
+
+The engine is built on a stand-in :class:`hipress.comm.World` (no MPI is touched at world
+size 1, and a refused startup raises before anything communicates).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hipress.codecs import get_codec
+from hipress.comm import World
+from hipress.config import config_from_dict
+from hipress.engine.engine import Engine
+from hipress.errors import HiPressError
+from hipress.memory import get_memory
+
+
+def fake_world(size: int = 1, tag_bits: int = 30) -> World:
+    return World(rank=0, size=size, local_rank=0, local_size=size, ctrl=None, data=None,
+                 tag_bits=tag_bits, mpi=None)
+
+
+def make_engine(**cfg) -> Engine:
+    base = {"compression": {"min_compress_bytes": 0}, "logging": {"level": "WARNING"}}
+    base.update(cfg)
+    return Engine(config_from_dict(base), fake_world())
+
+
+@pytest.fixture
+def fast_switching():
+    """Let threads switch every microsecond, so races show within a second."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+def hammer(writer, reader, seconds: float = 3.0):
+    """Run ``writer()`` in a thread while calling ``reader()`` in another until it ends.
+
+    Returns:
+        (reader errors, reader results): every exception the reader raised, and the
+        results of its calls.
+    """
+    errors, results = [], []
+    done = threading.Event()
+
+    def read_loop():
+        deadline = time.monotonic() + seconds
+        while not done.is_set() and time.monotonic() < deadline:
+            try:
+                results.append(reader())
+            except Exception as exc:  # noqa: BLE001 - collected for the assertion
+                errors.append(exc)
+
+    def write():
+        try:
+            writer()
+        finally:
+            done.set()
+
+    threads = [threading.Thread(target=read_loop), threading.Thread(target=write)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 30)
+    return errors, results
+
+
+# ----------------------------------------------------------------------- tag space
+def test_refuses_an_mpi_whose_tag_space_cannot_hold_one_task():
+    cfg = config_from_dict({"logging": {"level": "WARNING"}})
+    with pytest.raises(HiPressError, match=r"only 11 bits .*MPI_TAG_UB < 4096.* 12 bits"):
+        Engine(cfg, fake_world(size=2, tag_bits=11))
+
+
+# ------------------------------------------------------------ state_dict vs. new names
+N_NAMES = 3000
+
+
+def test_memory_state_dict_while_names_are_added(fast_switching):
+    """The engine's compute threads add residuals on a name's first encode."""
+    mem = get_memory("residual")
+
+    def add_names():
+        for i in range(N_NAMES):
+            g = np.full(4, float(i), np.float32)
+            c = mem.compensate(f"g{i}", g)  # creates the zero residual of g{i}
+            mem.update(f"g{i}", c, np.zeros(4, np.float32))  # residual = g
+
+    errors, snaps = hammer(add_names, mem.state_dict)
+    assert not errors, f"{len(errors)} of {len(errors) + len(snaps)} calls failed: {errors[0]!r}"
+    assert any(0 < len(s) < N_NAMES for s in snaps), "the reader never overlapped the writer"
+    final = mem.state_dict()
+    assert sorted(final) == sorted(f"g{i}" for i in range(N_NAMES))
+    for i in (0, 1, N_NAMES - 1):
+        np.testing.assert_array_equal(final[f"g{i}"], np.full(4, float(i), np.float32))
+
+
+def test_powersgd_state_dict_while_names_are_encoded(fast_switching):
+    codec = get_codec("powersgd", rank=1)
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    n = 1500
+
+    def encode_names():
+        for i in range(n):
+            codec.encode(x, f"w{i}")
+
+    errors, snaps = hammer(encode_names, codec.state_dict)
+    assert not errors, f"{len(errors)} of {len(errors) + len(snaps)} calls failed: {errors[0]!r}"
+    assert any(0 < len(s) < n for s in snaps), "the reader never overlapped the writer"
+    final = codec.state_dict()
+    assert len(final) == n and final["w7"].shape == (8, 1)
+    alone = get_codec("powersgd", rank=1)
+    alone.encode(x, "w7")
+    np.testing.assert_array_equal(final["w7"], alone.state_dict()["w7"])
+
+
+def test_engine_state_dict_and_stats_while_another_thread_submits(fast_switching):
+    """hp.state_dict()/hp.stats() from one thread while another submits new names."""
+    eng = make_engine()
+    try:
+        eng.load_state_dict({"memories": {"residual": {}}})  # as a resumed job has
+        mem = eng._memories["residual"]
+        g = np.ones(3, np.float32)
+
+        def submit_names():
+            for i in range(N_NAMES):
+                # a new codec key and a new name each time, and the residual the engine's
+                # compute thread would create for it
+                codec = get_codec("topk", ratio=1.0 / (i + 2))
+                eng.submit(g, f"layer{i}.weight", codec=codec).wait(5)
+                mem.compensate(f"layer{i}.weight", g)
+
+        def read():
+            return eng.state_dict(), eng.stats()
+
+        errors, snaps = hammer(submit_names, read)
+        assert not errors, (
+            f"{len(errors)} of {len(errors) + len(snaps)} calls failed: {errors[0]!r}")
+        assert any(0 < len(sd["codecs"]) < N_NAMES for sd, _ in snaps), "no overlap"
+        sd, stats = read()
+        assert len(sd["codecs"]) == N_NAMES and len(stats) == N_NAMES
+        assert sorted(sd["memories"]["residual"]) == sorted(f"layer{i}.weight"
+                                                            for i in range(N_NAMES))
+        np.testing.assert_array_equal(sd["memories"]["residual"]["layer5.weight"],
+                                      np.zeros(3, np.float32))
+        assert stats["layer5.weight"] == {"calls": 1, "numel": 3, "codec": "none",
+                                          "strategy": "local"}
+    finally:
+        eng.shutdown()
