@@ -54,7 +54,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    choices=["ddp", "mpi-allreduce", "hipress", "tf-floor", "tf-hipress"])
     p.add_argument("--hook", default="allreduce",
                    choices=["noop", "allreduce", "fp16", "powersgd1"])
-    p.add_argument("--codec", default="none", help="HiPress codec (hipress, tf-hipress)")
+    p.add_argument("--codec", default="none",
+                   help="HiPress codec (hipress, tf-hipress) as compression.algorithm; with a "
+                   "trailing '!' (hipress) passed as DistributedOptimizer(compression=...)")
     p.add_argument("--strategy", default="ps", help="HiPress sync.strategy: ps, ring or auto")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch-size", type=int, default=8)
@@ -230,10 +232,17 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
         import hipress
         import hipress.torch as hp
 
-        # the codec as the job's policy, so compression.min_compress_bytes applies (an
-        # explicit compression= would compress every tensor, batch-norm vectors included)
-        hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": args.codec})
-        opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        # the codec as the job's policy, so compression.min_compress_bytes applies; with a
+        # trailing "!" (onebit!) it is passed as compression=, which compresses every
+        # tensor, batch-norm vectors included
+        codec = args.codec.rstrip("!")
+        if args.codec.endswith("!"):
+            hp.init(**{"sync.strategy": args.strategy})
+            opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                          compression=codec)
+        else:
+            hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": codec})
+            opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hp.broadcast_parameters(model.state_dict(), root_rank=0)
         step = opt.step
 

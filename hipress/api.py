@@ -19,6 +19,7 @@ import os
 import pickle
 import sys
 import threading
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -40,7 +41,9 @@ def init(config: Any = None, **overrides: Any) -> None:
 
     Args:
         config: a :class:`hipress.config.HiPressConfig`, a dict in the YAML schema, a path
-            to a YAML job file, or None for ``HIPRESS_CONFIG`` / the defaults.
+            to a YAML job file, or None for ``HIPRESS_CONFIG`` / the defaults. The
+            ``HIPRESS_*`` environment variables (``hipressrun --timeline`` sets
+            ``HIPRESS_TIMELINE``) apply over any of them.
         **overrides: dotted keys that override the config, e.g.
             ``init(**{"compression.algorithm": "onebit"})``.
 
@@ -50,21 +53,20 @@ def init(config: Any = None, **overrides: Any) -> None:
         ConfigError: the configuration is invalid (the message names the key).
     """
     global _ENGINE
-    from hipress.config import HiPressConfig, _set_dotted, config_from_dict, load_config
+    from hipress.config import HiPressConfig, load_config
 
     with _LOCK:
         if _ENGINE is not None:
             return
         if isinstance(config, (HiPressConfig, dict)):
             data = config.model_dump() if isinstance(config, HiPressConfig) else dict(config)
-            for key, value in overrides.items():
-                _set_dotted(data, key, value, "override")
-            cfg = config_from_dict(data)
+            cfg = load_config(base=data, overrides=overrides or None)
         else:
             cfg = load_config(path=config, overrides=overrides or None)
         _setup_logging(cfg.logging.level)
         _tune_malloc()
         world = comm.world()
+        _install_excepthook()
         _ENGINE = Engine(cfg, world)
         for source, codec in _PENDING_NOTES:
             _ENGINE.note_compression(source, codec)
@@ -109,13 +111,71 @@ def _setup_logging(level: str) -> None:
 
 
 def shutdown() -> None:
-    """Finish outstanding work on every rank and stop HiPress (collective, idempotent)."""
+    """Finish outstanding work on every rank and stop HiPress (collective, idempotent).
+
+    Called at interpreter exit too. It waits for every rank to shut down; a rank whose
+    peers still wait for its gradients (ranks ran different numbers of steps) logs an
+    error naming them and returns without finalizing MPI, so the launcher ends the job.
+    After an uncaught exception the process ends at once instead (see
+    :func:`_install_excepthook`).
+    """
     global _ENGINE
     with _LOCK:
         eng, _ENGINE = _ENGINE, None
-    if eng is not None:
-        eng.shutdown()
+    if eng is None:
+        return
+    if _FAILURE and eng.size > 1:
+        _abort(eng)
+    if eng.shutdown():
         comm.release()
+    else:
+        comm.mark_unclean()  # communicators may be in use by peers: neither free nor finalize
+
+
+_FAILURE: List[BaseException] = []
+_HOOKED = False
+
+
+def _install_excepthook() -> None:
+    """Record an uncaught exception so that exit ends this rank at once (collective-free).
+
+    Python runs ``atexit`` handlers after printing the traceback; a goodbye to ranks that
+    are blocked waiting for this one could never finish, and freeing the communicators
+    under the engine thread crashes. So :func:`shutdown` then calls :func:`_abort`: the
+    process exits with Python's status for the exception, without ``MPI_Finalize``, and
+    ``mpirun`` (or ``hipressrun``) terminates the other ranks within about a second and
+    reports this rank.
+    """
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
+    previous = sys.excepthook
+
+    def hook(tp: Any, value: BaseException, tb: Any) -> None:
+        _FAILURE.append(value)
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
+
+
+def _abort(eng: Engine) -> None:
+    """End this rank now after an uncaught exception (see :func:`_install_excepthook`)."""
+    exc = _FAILURE[0]
+    code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    from hipress.errors import PeerFailure
+
+    if isinstance(exc, PeerFailure):
+        # a consequence of another rank's failure: give that rank a moment to be reported
+        # first (mpirun names the first rank to exit), then go
+        time.sleep(2.0)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    eng.timeline.flush()
+    os._exit(code)
 
 
 def is_initialized() -> bool:

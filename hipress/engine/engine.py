@@ -45,7 +45,7 @@ from hipress.codecs import Codec, get_codec
 from hipress.config import summarize_effective
 from hipress.engine import tasks as T
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
-from hipress.errors import HiPressError, StallError, SyncError
+from hipress.errors import HiPressError, PeerFailure, StallError, SyncError
 from hipress.memory import Memory, get_memory
 from hipress.secopa.runtime import PlanFollower
 from hipress.timeline import Timeline, write_trace
@@ -125,7 +125,14 @@ class Engine:
         self.cfg = config
         self.world = world
         self.rank, self.size = world.rank, world.size
-        self.timeline = Timeline(bool(config.timeline), self.rank)
+        path = str(config.timeline) if config.timeline else None
+        if path and "{rank}" in path:
+            path = path.format(rank=self.rank)
+        self.timeline = Timeline(bool(path), self.rank, path)
+        if path and (self.rank == 0 or "{rank}" in str(config.timeline)):
+            # other ranks append from their first flush on, which comes after the first
+            # negotiation round, so after rank 0 has started the file here
+            self.timeline.create_file()
         self.stats_table: Dict[str, Dict[str, Any]] = {}
         self.env = T.TaskEnv(self.rank, self.size, self.timeline, self.stats_table)
         self.step_count = 0
@@ -136,6 +143,13 @@ class Engine:
         self._acct: Dict[str, Any] = {}  # bytes asked/compressed this step (see _account)
         self._ratios: Dict[Any, float] = {}
         self._code_compression: Dict[str, str] = {}  # source -> codec (see note_compression)
+        self._last_stall_warning = 0.0
+        self._bye_since: Optional[float] = None
+        self._bye_warned = 0.0
+        #: this rank shut down while others still waited for its gradients (see _check_byes)
+        self._left_early = False
+        #: the engine failed on every rank in the same round with nothing in flight
+        self._collective_error = False
         self._announced = False
         self._memories: Dict[str, Memory] = {"none": get_memory("none")}
         self._lock = threading.Lock()
@@ -154,7 +168,7 @@ class Engine:
         self._outbox: List[list] = []
         self._poke = threading.Event()  # wakes the engine thread: new work or a finished step
         self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
-                                config.sync.stall_timeout_s, on_compute_done=self._poke.set)
+                                config.sync.stall_limit_s, on_compute_done=self._poke.set)
         # tags: a task id in the high bits, _SUB_BITS for the messages of one task; ids
         # still held by running tasks are never handed out again (see _launch)
         self._tag_task_bits = world.tag_bits - _SUB_BITS
@@ -286,8 +300,22 @@ class Engine:
             logger.info("%s", summarize_effective(self.cfg, self.size, self.world.local_size,
                                                   self._code_compression))
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish in-flight work on every rank, stop the thread, write the timeline."""
+    def shutdown(self) -> bool:
+        """Finish in-flight work, say goodbye to every rank, stop the thread.
+
+        Waits until every rank has shut down (the usual skew at the end of a job), this
+        rank turns out to have left while others still wait for its gradients (logged;
+        see :meth:`_check_byes`), or the engine fails (a stall past
+        ``sync.stall_shutdown_s``, a failure on another rank). Handles not completed get
+        a :class:`~hipress.errors.SyncError`.
+
+        Returns:
+            True when the goodbye was clean: every rank shut down with nothing pending (or
+            every rank failed in the same negotiation round with nothing in flight: a
+            stall past ``stall_shutdown_s``, mismatched submissions), so the communicators
+            may be freed and MPI finalized. False otherwise: the caller must not free or
+            finalize (ranks still waiting would hang on it).
+        """
         self._announce()
         self._shutdown.set()
         self._wake.set()
@@ -295,9 +323,7 @@ class Engine:
         if self.size == 1:
             self._write_timeline()
         else:
-            self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.error("HiPress engine thread did not stop within %.0f s", timeout)
+            self._thread.join()
         self._sched.shutdown()
         with self._lock:
             left = list(self._inflight.values()) + list(self._queue)
@@ -306,6 +332,9 @@ class Engine:
         for sub in left:
             sub.handle._finish(error=self._error or SyncError(
                 f"HiPress shut down before {sub.name!r} was synchronized on every rank"))
+        if self._left_early:
+            return False
+        return self._error is None or self._collective_error
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """Return per-gradient statistics (see :func:`hipress.stats`); any thread, any time."""
@@ -585,9 +614,9 @@ class Engine:
         mpi = self.world.mpi
         ctrl = self.world.ctrl
         cycle = self.cfg.sync.cycle_time_ms / 1000.0
-        timeout = self.cfg.sync.stall_timeout_s
+        limit, warn_every = self.cfg.sync.stall_limit_s, self.cfg.sync.stall_warning_s
         phase, req, round_start, lens, msg, last_round = 0, None, 0.0, None, b"", 0.0
-        idle_rounds = idle_polls = 0
+        idle_rounds = idle_polls = round_warnings = 0
         while True:
             progressed = False
             if self._sched.busy and self._local_error is None:
@@ -619,20 +648,40 @@ class Engine:
                 msgs = [json.loads(bytes(allbuf[d:d + c])) for d, c in zip(displs, counts)]
                 phase, last_round = 0, time.monotonic()
                 self._round += 1
-                with self.timeline.span("negotiate", round=self._round):
+                round_warnings = 0
+                t_round = self.timeline.now_us()
+                try:
                     started = self._process_round(msgs)
-                if all(m["bye"] for m in msgs) and not started:
+                except HiPressError:
+                    # raised on every rank in this same round, from the same table: the
+                    # ranks stop together, so MPI can still be shut down cleanly when no
+                    # transfer is left in flight
+                    self._collective_error = not self._sched.busy
+                    raise
+                new = sum(len(m["new"]) for m in msgs)
+                if started or new:  # idle rounds are not recorded
+                    self.timeline.add("negotiate", t_round, self.timeline.now_us() - t_round,
+                                      round=self._round, started=started, new=new)
+                if self._left_early or (all(m["bye"] for m in msgs) and not started):
                     return
                 # rounds back off while no rank has new names, even when transfers are
                 # in flight: polling MPI needs no round
                 busy = started or self._table or any(m["new"] for m in msgs)
                 idle_rounds = 0 if busy else idle_rounds + 1
                 progressed = True
-            if phase and now - round_start > timeout:
-                raise SyncError(
-                    f"negotiation round {self._round + 1} did not complete in {timeout:.0f} s: "
-                    "a rank died or stopped calling HiPress"
-                )
+            waited = now - round_start if phase else 0.0
+            if waited > limit:
+                raise StallError(
+                    f"negotiation round {self._round + 1} did not complete in {waited:.0f} s "
+                    f"(sync.stall_shutdown_s={self.cfg.sync.stall_shutdown_s:g}): a rank is "
+                    "hung, stopped or dead; every rank stops")
+            if waited > warn_every * (round_warnings + 1):
+                round_warnings += 1
+                logger.warning(
+                    "HiPress negotiation round %d has not completed for %.0f s: a rank is hung, "
+                    "stopped or dead (the ranks that answer cannot tell which). %s",
+                    self._round + 1, waited, self._shutdown_hint())
+            self.timeline.maybe_flush()  # a job that dies keeps its trace up to ~0.5 s ago
             if progressed:
                 idle_polls = 0
                 continue
@@ -671,33 +720,52 @@ class Engine:
         return json.dumps(msg).encode()
 
     def _stalled(self) -> List[list]:
-        """Rank 0: names submitted by some ranks only for longer than the stall timeout."""
+        """Rank 0: warn about names submitted by some ranks only; return them once fatal.
+
+        A warning every ``sync.stall_warning_s`` while the oldest incomplete name waits
+        longer than that; the names (with the ranks missing them) are returned, and so
+        raised on every rank, once it waits longer than ``sync.stall_shutdown_s``.
+        """
         now = time.monotonic()
-        if not any(now - ent["t"] > self.cfg.sync.stall_timeout_s for ent in self._table.values()):
+        oldest = max((now - ent["t"] for ent in self._table.values()), default=0.0)
+        fatal = oldest > self.cfg.sync.stall_limit_s
+        if not fatal and oldest <= self.cfg.sync.stall_warning_s:
             return []
         # once one name stalls, report every incomplete one: they usually explain each other
-        return [[name, [r for r in range(self.size) if r not in ent["meta"]]]
-                for name, ent in self._table.items()]
+        stalled = [[name, [r for r in range(self.size) if r not in ent["meta"]]]
+                   for name, ent in self._table.items()]
+        if fatal:
+            return stalled
+        if now - self._last_stall_warning >= self.cfg.sync.stall_warning_s:
+            self._last_stall_warning = now
+            logger.warning("HiPress stall: for %.0f s %s. %s", oldest,
+                           _describe_stall(stalled, self.size), self._shutdown_hint())
+        return []
+
+    def _shutdown_hint(self) -> str:
+        """Say what ends a stall: the configured shutdown, or nothing."""
+        sync = self.cfg.sync
+        if sync.stall_shutdown_s > 0:
+            return f"Every rank stops after sync.stall_shutdown_s={sync.stall_shutdown_s:g} s."
+        return ("Waiting on (sync.stall_shutdown_s is 0: a rank may legitimately spend "
+                "minutes on evaluation or a checkpoint); set it to end such jobs.")
 
     def _process_round(self, msgs: List[Dict[str, Any]]) -> int:
         """Merge every rank's new names into the table, start the ready ones, count them."""
         stall = msgs[0].get("stall") or []
         if stall:
-            lines = "; ".join(
-                f"{name!r} not submitted by rank(s) {missing} (submitted by "
-                f"{sorted(set(range(self.size)) - set(missing))})" for name, missing in stall
-            )
             raise StallError(
-                f"stalled for more than {self.cfg.sync.stall_timeout_s:g} s: {lines}. Every rank "
-                "must synchronize the same gradient names; check for parameters that exist or "
-                "are used on some ranks only, or for rank-dependent names"
+                f"stalled for more than sync.stall_shutdown_s={self.cfg.sync.stall_shutdown_s:g}"
+                f" s: {_describe_stall(stall, self.size)}. Every rank must synchronize the same "
+                "gradient names; check for parameters that exist or are used on some ranks "
+                "only, for rank-dependent names, or for a rank that hangs"
             )
         failed = [(r, m["error"]) for r, m in enumerate(msgs) if m.get("error")]
         if failed:
             if self._local_error is not None:
                 raise self._local_error
             r, err = failed[0]
-            raise SyncError(
+            raise PeerFailure(
                 f"rank {r} failed while synchronizing ({err}); every rank stops. Fix the "
                 f"cause on rank {r} (its own traceback names it)"
             )
@@ -710,6 +778,7 @@ class Engine:
                 ent["meta"][r] = entry[1:]
                 if r == 0:
                     ent["order"] = (self._round, i)
+        self._check_byes(msgs)
         for name, ent in list(self._table.items()):
             if len(ent["meta"]) == self.size:
                 ready.append((ent["order"], name))
@@ -739,6 +808,54 @@ class Engine:
         if started:
             self._start(started)
         return len(started)
+
+    def _check_byes(self, msgs: List[Dict[str, Any]]) -> None:
+        """Catch ranks that finished while others still wait for their gradients.
+
+        A rank says goodbye (``bye``) once it is shut down with nothing left to send, so
+        names it has not submitted by then will never be: ranks ran different numbers of
+        steps, or one exited early (``sys.exit``, the end of its data). Every rank sees
+        the same table in the same round, so the waiting ranks raise a
+        :class:`~hipress.errors.SyncError` naming the rank and the gradients, and the
+        rank that left logs the same and stops waiting (see :attr:`_left_early`).
+        """
+        byes = {r for r, m in enumerate(msgs) if m["bye"]}
+        now = time.monotonic()
+        if not byes:
+            return
+        waiting = {name: sorted(byes - set(ent["meta"])) for name, ent in self._table.items()
+                   if byes - set(ent["meta"])}
+        if not waiting:
+            if self.rank in byes and len(byes) < self.size:  # the usual skew at job end
+                if self._bye_since is None:
+                    self._bye_since = self._bye_warned = now
+                elif now - self._bye_warned >= self.cfg.sync.stall_warning_s:
+                    self._bye_warned = now
+                    logger.warning(
+                        "rank %d called hipress.shutdown() %.0f s ago and waits for rank(s) %s "
+                        "to do the same. %s", self.rank, now - self._bye_since,
+                        sorted(set(range(self.size)) - byes), self._shutdown_hint())
+                    if now - self._bye_since > self.cfg.sync.stall_limit_s:
+                        raise StallError(f"rank(s) {sorted(set(range(self.size)) - byes)} did "
+                                         "not shut down within sync.stall_shutdown_s")
+            return
+        left = sorted({r for ranks in waiting.values() for r in ranks})
+        names = sorted(waiting)
+        shown = ", ".join(repr(n) for n in names[:8]) + (
+            f" and {len(names) - 8} more" if len(names) > 8 else "")
+        if self.rank in byes:
+            waiters = sorted(set(range(self.size)) - byes)
+            logger.error(
+                "rank %d finished (hipress.shutdown() or exit) while rank(s) %s still wait for "
+                "gradient(s) %s it never submitted: ranks ran different numbers of steps. "
+                "Give every rank the same number of batches (e.g. drop_last=True with a "
+                "DistributedSampler)", self.rank, waiters, shown)
+            self._left_early = True
+            return
+        raise PeerFailure(
+            f"rank(s) {left} finished (hipress.shutdown() or exit) while gradient(s) {shown} "
+            "were waiting for them: ranks ran different numbers of steps. Give every rank "
+            "the same number of batches (e.g. drop_last=True with a DistributedSampler)")
 
     def _uncompress_nonfinite(self, sub: _Submission, ranks: List[int]) -> None:
         """Send a gradient with inf/NaN on some rank uncompressed, this step only.
@@ -893,22 +1010,42 @@ class Engine:
                      sub.contributes, on_done=done)
 
     def _write_timeline(self) -> None:
-        path = self.cfg.timeline
-        if not path:
+        """Finish the trace file: the streamed events, or after a clean end the full trace.
+
+        Every rank has appended its events as they happened (see :mod:`hipress.timeline`).
+        After a clean goodbye rank 0 gathers all events and replaces the file with the
+        JSON object form plus metadata; otherwise the streamed file stays as it is.
+        """
+        if not self.cfg.timeline:
             return
         try:
+            self.timeline.close()
+            clean = self._error is None and not self._left_early
             events = self.timeline.events()
-            if "{rank}" in str(path):
-                write_trace(str(path).format(rank=self.rank), [events] if self.rank == 0 else
-                            [[]] * self.rank + [events])
+            meta = {"world_size": self.size, "stats": self.stats()}
+            if "{rank}" in str(self.cfg.timeline):
+                if clean:
+                    write_trace(str(self.timeline_path()), [[]] * self.rank + [events], meta)
                 return
-            gathered = self.world.ctrl.gather(events, root=0) if self._error is None else None
-            if self.rank == 0:
-                write_trace(str(path), gathered or [events],
-                            {"world_size": self.size, "stats": self.stats()})
-                logger.info("HiPress timeline written to %s", path)
+            gathered = self.world.ctrl.gather(events, root=0) if clean and self.size > 1 else None
+            if self.rank == 0 and clean:
+                write_trace(self.timeline_path(), gathered or [events], meta)
+                logger.info("HiPress timeline written to %s", self.timeline_path())
         except Exception:  # noqa: BLE001 - never mask the real outcome
-            logger.exception("could not write the HiPress timeline to %s", path)
+            logger.exception("could not write the HiPress timeline to %s", self.cfg.timeline)
+
+    def timeline_path(self) -> str:
+        """Return this rank's timeline file (``{rank}`` in the configured path filled in)."""
+        return str(self.cfg.timeline).format(rank=self.rank)
+
+
+def _describe_stall(stall: List[list], size: int, limit: int = 8) -> str:
+    """Describe ``[[name, missing ranks], ...]`` for stall warnings and errors."""
+    lines = [f"{name!r} not submitted by rank(s) {missing} (submitted by "
+             f"{sorted(set(range(size)) - set(missing))})" for name, missing in stall[:limit]]
+    if len(stall) > limit:
+        lines.append(f"{len(stall) - limit} more gradient(s)")
+    return "; ".join(lines)
 
 
 def _finite_flag(sub: _Submission) -> int:
