@@ -42,7 +42,7 @@ def run(np_: int, mode: str, extra: dict) -> tuple:
                           env=env, timeout=180)
     end = time.time()
     stamp = re.search(r"FAILAT (\d+\.\d+)", proc.stdout)
-    named = re.findall(r"^hipressrun: (rank \d+ failed \([^)]*\))", proc.stderr, re.M)
+    named = re.findall(r"^hipressrun: (rank \d+ failed \(.*?\))(?::|;)", proc.stderr, re.M)
     elapsed = end - float(stamp.group(1)) if stamp else float("nan")
     return elapsed, proc.returncode, named[-1] if named else "-"
 
@@ -50,12 +50,15 @@ def run(np_: int, mode: str, extra: dict) -> tuple:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--np", default="2,3,4", help="world sizes, comma-separated")
+    ap.add_argument("--cases", default="", help="only cases whose label contains this")
     args = ap.parse_args()
     sizes = [int(n) for n in args.np.split(",")]
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     print("| failure on rank 1 | " + " | ".join(f"np={n}" for n in sizes) + " |")
     print("|---|" + "---|" * len(sizes))
     for label, (mode, extra) in CASES.items():
+        if args.cases not in label:
+            continue
         cells = []
         for n in sizes:
             elapsed, rc, named = run(n, mode, extra)

@@ -61,14 +61,16 @@ def describe_failure(untagged_output: str) -> Optional[str]:
 
     Returns:
         ``"rank R failed (exit code N)"``, ``"rank R failed (signal N)"``, or ``"rank R
-        failed (exited without finalizing MPI, e.g. os._exit())"`` for a rank that ended
-        after ``MPI_Init`` without ``MPI_Finalize`` (whatever its status); None when the
+        failed (exited early without finalizing MPI: ...)"`` for a rank that ended after
+        ``MPI_Init`` without ``MPI_Finalize``, whatever its status (``os._exit()``, or a
+        rank that finished while others still waited for its gradients); None when the
         output names no rank.
     """
     for pattern, what in _FAILURES:
         m = pattern.search(untagged_output)
         if m and what == "improper":
-            return f"rank {m.group(1)} failed (exited without finalizing MPI, e.g. os._exit())"
+            return (f"rank {m.group(1)} failed (exited early without finalizing MPI: "
+                    "os._exit(), or it finished while others still waited for it)")
         if m:
             return f"rank {m.group(1)} failed ({what} {m.group(2)})"
     return None

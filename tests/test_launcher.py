@@ -545,10 +545,12 @@ def test_failure_report_names_a_rank_that_exits_without_finalize():
              "improperly. There are three reasons this could occur:\n")
     ompi4 = ("mpirun has exited due to process rank 3 with PID 0 on\nnode n7 exiting "
              "improperly. There are three reasons this could occur:\n")
-    assert describe_failure(ompi5) == \
-        "rank 1 failed (exited without finalizing MPI, e.g. os._exit())"
-    assert describe_failure(ompi4) == \
-        "rank 3 failed (exited without finalizing MPI, e.g. os._exit())"
+    assert describe_failure(ompi5) == (
+        "rank 1 failed (exited early without finalizing MPI: os._exit(), or it finished "
+        "while others still waited for it)")
+    assert describe_failure(ompi4) == (
+        "rank 3 failed (exited early without finalizing MPI: os._exit(), or it finished "
+        "while others still waited for it)")
 
 
 @needs_mpi
@@ -562,7 +564,8 @@ def test_real_rank_exiting_zero_before_finalize_is_named(tmp_path):
     assert elapsed < 30, f"took {elapsed:.1f} s"
     assert sorted(res.stdout.splitlines()) == ["[0] ready", "[1] ready"]
     last = res.stderr.strip().splitlines()[-1]
-    assert last == ("hipressrun: rank 1 failed (exited without finalizing MPI, e.g. os._exit()); "
+    assert last == ("hipressrun: rank 1 failed (exited early without finalizing MPI: "
+                    "os._exit(), or it finished while others still waited for it); "
                     "mpirun stopped the other ranks and exited with status 1"), res.stderr
 
 

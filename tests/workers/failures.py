@@ -108,6 +108,8 @@ for step in range(steps):
         if MODE == "raise_after":
             fail_now("raise")
     wait(handles)
+if MODE.startswith("uneven") and culprit:
+    print(f"FAILAT {time.time():.3f}", flush=True)  # the others still wait for a step
 if MODE != "uneven_noshutdown":
     hp.shutdown()
 print(f"DONE rank {rank}", flush=True)
