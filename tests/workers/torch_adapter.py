@@ -122,12 +122,8 @@ def _loss(model, batch):
     return (model(x) * t).sum()
 
 
-@case
-def identity_exact():
-    """compression='none': p.grad after step() is exactly the average of every rank's grad."""
-    rank, size = hp.rank(), hp.size()
-    model = _int_model(0)
-    # reference: every rank's gradient computed here, summed exactly, divided once
+def _reference_average(model, size):
+    """Every rank's (integer) gradient computed here, summed exactly, divided once."""
     total = None
     for r in range(size):
         m = copy.deepcopy(model)
@@ -135,7 +131,15 @@ def identity_exact():
         grads = [p.grad.clone() for p in m.parameters()]
         assert all(torch.equal(gr, gr.round()) for gr in grads), "grads must be integers"
         total = grads if total is None else [a + b for a, b in zip(total, grads)]
-    ref = [t / size for t in total]
+    return [t / size for t in total]
+
+
+@case
+def identity_exact():
+    """compression='none': p.grad after step() is exactly the average of every rank's grad."""
+    rank, size = hp.rank(), hp.size()
+    model = _int_model(0)
+    ref = _reference_average(model, size)
     opt = hp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                   named_parameters=prefixed(model, "exact"), compression="none")
     for _ in range(2):  # twice: the second step reuses every name
@@ -435,13 +439,7 @@ def ddp_hook():
     size, rank = hp.size(), hp.rank()
     _ddp_group()
     base = _int_model(3)
-    total = None
-    for r in range(size):
-        m = copy.deepcopy(base)
-        _loss(m, _int_batch(r)).backward()
-        grads = [p.grad.clone() for p in m.parameters()]
-        total = grads if total is None else [a + b for a, b in zip(total, grads)]
-    ref = [t / size for t in total]
+    ref = _reference_average(base, size)
     model = DDP(copy.deepcopy(base), bucket_cap_mb=0.0001)  # several buckets
     model.register_comm_hook(hp.DDPHookState(model, prefix="ddp"), hp.make_ddp_hook("none"))
     for _ in range(3):  # the 2nd iteration runs on rebuilt buckets
