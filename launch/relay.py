@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _OMPI_TAG = re.compile(rb"^\[\d+,(\d+)\]<\w+>: ?")
 _MPICH_TAG = re.compile(rb"^\[(\d+)\] ")  # Hydra's -prepend-rank
+_TORCH_RANK = re.compile(r"^\[rank\d+\]: ")  # torch.distributed prefixes stderr lines
 _FAILURES = (
     # Open MPI 4/5: "...exited with non-zero status... Process name: [prterun-x@1,2]
     #                Exit code:    1"
@@ -93,7 +94,7 @@ class Causes:
 
     def feed(self, rank: int, text: str, stream: str = "stderr") -> None:
         """Take one output line of ``rank`` (without its tag) from ``stream``."""
-        text = text.rstrip("\n")
+        text = _TORCH_RANK.sub("", text.rstrip("\n"), count=1)  # torch.distributed's prefix
         key = (rank, stream)  # stdout and stderr arrive interleaved: follow each alone
         with self._lock:
             if text.startswith("Traceback (most recent call last):"):

@@ -428,6 +428,23 @@ def warns_when_nothing_compressed(d: Driver) -> None:
         assert "compression.algorithm='onebit'" in warned[0], warned[0]
     else:
         assert not warned, warned
+    # rules that switch the job's codec off for (nearly) everything are named too
+    from hipress.config import CompressionRule
+
+    rec = _Records()
+    log.addHandler(rec)
+    try:
+        with policy(algorithm="onebit", min_compress_bytes=0, warmup_steps=0, params={},
+                    rules=[CompressionRule(pattern="*", algorithm="none")]):
+            tr = d.build("suite.warn.rules", _zeros(shapes), compression=None)
+            tr.step([_rand_grads(0, rank, shapes)])
+            tr.close()
+    finally:
+        log.removeHandler(rec)
+    warned = [m for m in rec.messages if "compression was asked for" in m]
+    assert len(warned) == (1 if rank == 0 else 0), rec.messages
+    if warned:
+        assert "compression.rules ['*'] send uncompressed" in warned[0], warned[0]
 
 
 def _codec_state() -> Dict[str, Any]:

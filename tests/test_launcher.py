@@ -27,7 +27,7 @@ from hipress.launch.hosts import (
     slurm_allocation,
     total_slots,
 )
-from hipress.launch.relay import describe_failure, rewrite_tag
+from hipress.launch.relay import Causes, describe_failure, rewrite_tag
 from hipress.launch.runner import (
     RANK_ENV_WRAPPER,
     LaunchSpec,
@@ -557,6 +557,26 @@ def test_real_rank_exiting_zero_before_finalize_is_named(tmp_path):
     assert last == ("hipressrun: rank 1 failed (exited early without finalizing MPI: "
                     "os._exit(), or it finished while others still waited for it); "
                     "mpirun stopped the other ranks and exited with status 1"), res.stderr
+
+
+def test_causes_take_each_ranks_last_exception_line():
+    causes = Causes()
+    for rank, stream, line in [
+        (1, "stderr", "Traceback (most recent call last):"),
+        (1, "stdout", "FAILAT 12.5"),  # interleaved stdout does not end the traceback
+        (1, "stderr", '  File "t.py", line 3, in <module>'),
+        (1, "stderr", "RuntimeError: boom"),
+        # torch.distributed prefixes its ranks' stderr lines with "[rankN]: "
+        (2, "stderr", "[rank2]: Traceback (most recent call last):"),
+        (2, "stderr", "[rank2]:   File \"t.py\", line 9, in <module>"),
+        (2, "stderr", "[rank2]: ValueError: bad batch"),
+        (0, "stderr", "[hipress ERROR] rank 0 finished while rank(s) [1] still wait"),
+    ]:
+        causes.feed(rank, line, stream)
+    assert causes.of(1) == "RuntimeError: boom"
+    assert causes.of(2) == "ValueError: bad batch"
+    assert causes.of(0) == "rank 0 finished while rank(s) [1] still wait"
+    assert causes.of(3) is None
 
 
 # ----------------------------------------------------------------------------- real runs

@@ -284,7 +284,17 @@ class Engine:
         """
         if codec is None or (isinstance(codec, str) and codec == POLICY):
             return
-        desc = codec if isinstance(codec, str) else _codec_key(codec.name, codec.params())
+        if isinstance(codec, str):
+            desc = codec
+        else:
+            params = codec.params()
+            try:
+                defaults = get_codec(codec.name).params()
+            except Exception:  # noqa: BLE001 - a codec without defaults: show every param
+                defaults = {}
+            given = {k: v for k, v in params.items() if defaults.get(k, object()) != v}
+            desc = codec.name + (
+                "(" + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")" if given else "")
         self._code_compression[source] = desc
 
     def _announce(self) -> None:
@@ -432,7 +442,9 @@ class Engine:
                     algo, params = rule.algorithm, dict(rule.params)
                     break
             if algo == "none":
-                return None, "none", None
+                # a rule switching the job's codec off still counts for the warning
+                asked = comp.algorithm != "none"
+                return None, "none", (f"rule:{rule.pattern}" if asked else None)
             if self.step_count < comp.warmup_steps:
                 why: Optional[str] = "warmup"
             elif (not self._plan.active
@@ -472,8 +484,13 @@ class Engine:
             acct.setdefault("codecs", set()).add((name, requested == POLICY))
             if why is None:
                 acct["compressed"] = acct.get("compressed", 0) + nbytes
+            elif why.startswith("rule:"):
+                acct["rules"] = acct.get("rules", 0) + nbytes
+                acct.setdefault("patterns", set()).add(why[5:])
             else:
                 acct[why] = acct.get(why, 0) + nbytes
+                if why == "codec":
+                    acct.setdefault("shrinkless", set()).add(name)
 
     def _check_compressed(self) -> None:
         """At the end of a step: warn once per job if compression was asked but hardly ran.
@@ -504,12 +521,18 @@ class Engine:
                 f"{_fmt_bytes(acct['plan'])} were left uncompressed by the SeCoPa plan "
                 f"(sync.plan={self.cfg.sync.plan!r}) because its cost model predicts no gain "
                 "(set sync.plan: none to follow the fixed policy)")
-        if acct.get("codec"):
+        if acct.get("rules"):
             causes.append(
-                f"{_fmt_bytes(acct['codec'])} were tensors the codec does not make smaller "
-                "(PowerSGD sends vectors and small matrices as they are; a tensor of a few "
-                "elements is outweighed by its payload header), which is expected for biases "
-                "and tiny models")
+                f"{_fmt_bytes(acct['rules'])} were gradients that compression.rules "
+                f"{sorted(acct['patterns'])} send uncompressed (narrow those patterns)")
+        if acct.get("codec"):
+            names = ", ".join(sorted(acct["shrinkless"]))
+            hint = (" (PowerSGD sends vectors and matrices below min_compression_rate as they "
+                    "are)" if "powersgd" in acct["shrinkless"] else "")
+            causes.append(
+                f"{_fmt_bytes(acct['codec'])} were tensors that {names} does not make smaller: "
+                "tensors of a few elements are outweighed by their payload header" + hint +
+                "; expected for biases and tiny models")
         logger.warning(
             "compression was asked for (%s) but step %d compressed %s of %s of gradients "
             "(%.0f%%): %s. This warning is shown once per job",
@@ -847,15 +870,18 @@ class Engine:
             waiters = sorted(set(range(self.size)) - byes)
             logger.error(
                 "rank %d finished (hipress.shutdown() or exit) while rank(s) %s still wait for "
-                "gradient(s) %s it never submitted: ranks ran different numbers of steps. "
-                "Give every rank the same number of batches (e.g. drop_last=True with a "
-                "DistributedSampler)", self.rank, waiters, shown)
+                "gradient(s) %s it never submitted. Unless this rank is exiting on an error "
+                "(sys.exit), ranks ran different numbers of steps: give every rank the same "
+                "number of batches (e.g. drop_last=True with a DistributedSampler)",
+                self.rank, waiters, shown)
             self._left_early = True
             return
         raise PeerFailure(
             f"rank(s) {left} finished (hipress.shutdown() or exit) while gradient(s) {shown} "
-            "were waiting for them: ranks ran different numbers of steps. Give every rank "
-            "the same number of batches (e.g. drop_last=True with a DistributedSampler)")
+            f"were waiting for them. If rank(s) {left} exited on an error (sys.exit), their "
+            "own output and exit status tell why; otherwise ranks ran different numbers of "
+            "steps: give every rank the same number of batches (e.g. drop_last=True with a "
+            "DistributedSampler)")
 
     def _uncompress_nonfinite(self, sub: _Submission, ranks: List[int]) -> None:
         """Send a gradient with inf/NaN on some rank uncompressed, this step only.
