@@ -300,6 +300,15 @@ def _build_kernels() -> types.SimpleNamespace:
     def _load_compensated(x, e, i):
         return np.float64(e.dtype.type(x[i]) + e[i])
 
+    @inline
+    def _sign_lane(v, j, acc, cnt):
+        """Add ``v`` to lane ``j``'s positive or negative sum; return its sign bit."""
+        ng = v < 0.0
+        acc[0, j] += 0.0 if ng else v
+        acc[1, j] += v if ng else 0.0
+        cnt[j] += np.int64(ng)
+        return np.int64(ng) << (15 - j)
+
     def _sign_encoder(load):
         @njit
         def encode(x, e, bits):
@@ -311,23 +320,13 @@ def _build_kernels() -> types.SimpleNamespace:
                 k = 16 * i
                 b = 0
                 for j in range(16):
-                    v = load(x, e, k + j)
-                    ng = v < 0.0
-                    b |= np.int64(ng) << (15 - j)
-                    acc[0, j] += 0.0 if ng else v
-                    acc[1, j] += v if ng else 0.0
-                    cnt[j] += np.int64(ng)
+                    b |= _sign_lane(load(x, e, k + j), j, acc, cnt)
                 bits[2 * i] = b >> 8
                 bits[2 * i + 1] = b & 255
             k = 16 * nblk
             b = 0
             for j in range(n - k):
-                v = load(x, e, k + j)
-                ng = v < 0.0
-                b |= np.int64(ng) << (15 - j)
-                acc[0, j] += 0.0 if ng else v
-                acc[1, j] += v if ng else 0.0
-                cnt[j] += np.int64(ng)
+                b |= _sign_lane(load(x, e, k + j), j, acc, cnt)
             if n > k:
                 bits[2 * nblk] = b >> 8
                 if n - k > 8:
