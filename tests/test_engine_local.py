@@ -155,3 +155,16 @@ def test_engine_state_dict_and_stats_while_another_thread_submits(fast_switching
                                           "strategy": "local"}
     finally:
         eng.shutdown()
+
+
+def test_stall_watch_warns_every_interval_and_turns_fatal_past_the_limit():
+    from hipress.engine.engine import _StallWatch
+
+    watch = _StallWatch(1.0, 3.0)
+    waited = [0.5, 1.2, 1.5, 2.1, 2.5, 0.2, 1.1, 3.5]
+    assert [watch.check(t) for t in waited] == [None, "warn", None, "warn", None, None,
+                                                "warn", "fatal"]
+    # a limit below the warning interval is still honoured (no warning needed first)
+    assert _StallWatch(60.0, 2.0).check(2.5) == "fatal"
+    never = _StallWatch(1.0, float("inf"))
+    assert [never.check(t) for t in (5.0, 5.5, 6.1, 1e6)] == ["warn", None, "warn", "warn"]

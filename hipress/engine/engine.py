@@ -143,9 +143,13 @@ class Engine:
         self._acct: Dict[str, Any] = {}  # bytes asked/compressed this step (see _account)
         self._ratios: Dict[Any, float] = {}
         self._code_compression: Dict[str, str] = {}  # source -> codec (see note_compression)
-        self._last_stall_warning = 0.0
+        sync = config.sync
+        # one watch per thing that can stall: a negotiation round, a name some ranks never
+        # submit (rank 0), this rank's goodbye waiting for the others'
+        self._round_watch = _StallWatch(sync.stall_warning_s, sync.stall_limit_s)
+        self._name_watch = _StallWatch(sync.stall_warning_s, sync.stall_limit_s)
+        self._bye_watch = _StallWatch(sync.stall_warning_s, sync.stall_limit_s)
         self._bye_since: Optional[float] = None
-        self._bye_warned = 0.0
         #: this rank shut down while others still waited for its gradients (see _check_byes)
         self._left_early = False
         #: the engine failed on every rank in the same round with nothing in flight
@@ -395,10 +399,7 @@ class Engine:
             kind, params = _split_key(key)
             self._memory(kind, params).load_state_dict(mstate)
         for key, cstate in state.get("codecs", {}).items():
-            name, params = _split_key(key)
-            codec = self._codecs.get(key) or get_codec(name, **params)
-            codec.load_state_dict(cstate)
-            self._codecs[key] = codec
+            self._codec(key).load_state_dict(cstate)
 
     # ------------------------------------------------------------------ policy
     def _resolve_codec(self, name: str, array: Any,
@@ -427,14 +428,10 @@ class Engine:
         if codec is None:
             return None, "none", None
         if isinstance(codec, Codec):
-            key = _codec_key(codec.name, codec.params())
             if codec.name == "none":
                 return None, "none", None
-            with self._lock:
-                if key not in self._codecs:
-                    codec.bind(self.rank, self.size)
-                    self._codecs[key] = codec
-            return self._codecs[key], key, None
+            key = _codec_key(codec.name, codec.params())
+            return self._codec(key, lambda: codec), key, None
         if codec == POLICY:
             algo, params = comp.algorithm, dict(comp.params)
             for rule in comp.rules:
@@ -453,15 +450,34 @@ class Engine:
             else:
                 why = None
             if why is not None:
-                _build_codec_cached(self, algo, params)  # validates the name once
+                self._codec(_codec_key(algo, params),
+                            lambda: _build_codec(algo, params))  # validates the name once
                 return None, "none", why
         else:
             algo = str(codec)
             params = dict(comp.params) if algo == comp.algorithm else {}
             if algo == "none":
                 return None, "none", None
-        codec_obj, key = _build_codec_cached(self, algo, params)
-        return codec_obj, key, None
+        key = _codec_key(algo, params)
+        return self._codec(key, lambda: _build_codec(algo, params)), key, None
+
+    def _codec(self, key: str, make: Any = None) -> Codec:
+        """Return the engine's codec under ``key``; on first use ``make()`` it and bind it.
+
+        ``make`` defaults to building the codec from the key itself (as checkpoints
+        name their codecs).
+
+        One instance per key, shared by every gradient that uses it (it holds per-name
+        state such as PowerSGD's Q matrices), bound to this rank so stochastic codecs draw
+        their own streams.
+        """
+        codec = self._codecs.get(key)
+        if codec is None:
+            codec = make() if make is not None else _build_codec(*_split_key(key))
+            codec.bind(self.rank, self.size)
+            with self._lock:
+                codec = self._codecs.setdefault(key, codec)
+        return codec
 
     def _account(self, array: Any, requested: Any, codec: Optional[Codec], key: str,
                  why: Optional[str]) -> None:
@@ -637,9 +653,8 @@ class Engine:
         mpi = self.world.mpi
         ctrl = self.world.ctrl
         cycle = self.cfg.sync.cycle_time_ms / 1000.0
-        limit, warn_every = self.cfg.sync.stall_limit_s, self.cfg.sync.stall_warning_s
         phase, req, round_start, lens, msg, last_round = 0, None, 0.0, None, b"", 0.0
-        idle_rounds = idle_polls = round_warnings = 0
+        idle_rounds = idle_polls = 0
         while True:
             progressed = False
             if self._sched.busy and self._local_error is None:
@@ -671,7 +686,6 @@ class Engine:
                 msgs = [json.loads(bytes(allbuf[d:d + c])) for d, c in zip(displs, counts)]
                 phase, last_round = 0, time.monotonic()
                 self._round += 1
-                round_warnings = 0
                 t_round = self.timeline.now_us()
                 try:
                     started = self._process_round(msgs)
@@ -693,13 +707,13 @@ class Engine:
                 idle_rounds = 0 if busy else idle_rounds + 1
                 progressed = True
             waited = now - round_start if phase else 0.0
-            if waited > limit:
+            state = self._round_watch.check(waited)
+            if state == "fatal":
                 raise StallError(
                     f"negotiation round {self._round + 1} did not complete in {waited:.0f} s "
                     f"(sync.stall_shutdown_s={self.cfg.sync.stall_shutdown_s:g}): a rank is "
                     "hung, stopped or dead; every rank stops")
-            if waited > warn_every * (round_warnings + 1):
-                round_warnings += 1
+            if state == "warn":
                 logger.warning(
                     "HiPress negotiation round %d has not completed for %.0f s: a rank is hung, "
                     "stopped or dead (the ranks that answer cannot tell which). %s",
@@ -751,18 +765,16 @@ class Engine:
         """
         now = time.monotonic()
         oldest = max((now - ent["t"] for ent in self._table.values()), default=0.0)
-        fatal = oldest > self.cfg.sync.stall_limit_s
-        if not fatal and oldest <= self.cfg.sync.stall_warning_s:
+        state = self._name_watch.check(oldest)
+        if state is None:
             return []
         # once one name stalls, report every incomplete one: they usually explain each other
         stalled = [[name, [r for r in range(self.size) if r not in ent["meta"]]]
                    for name, ent in self._table.items()]
-        if fatal:
+        if state == "fatal":
             return stalled
-        if now - self._last_stall_warning >= self.cfg.sync.stall_warning_s:
-            self._last_stall_warning = now
-            logger.warning("HiPress stall: for %.0f s %s. %s", oldest,
-                           _describe_stall(stalled, self.size), self._shutdown_hint())
+        logger.warning("HiPress stall: for %.0f s %s. %s", oldest,
+                       _describe_stall(stalled, self.size), self._shutdown_hint())
         return []
 
     def _shutdown_hint(self) -> str:
@@ -843,24 +855,16 @@ class Engine:
         rank that left logs the same and stops waiting (see :attr:`_left_early`).
         """
         byes = {r for r, m in enumerate(msgs) if m["bye"]}
-        now = time.monotonic()
         if not byes:
             return
-        waiting = {name: sorted(byes - set(ent["meta"])) for name, ent in self._table.items()
-                   if byes - set(ent["meta"])}
+        waiting = {}
+        for name, ent in self._table.items():
+            missing = byes - set(ent["meta"])
+            if missing:
+                waiting[name] = sorted(missing)
         if not waiting:
             if self.rank in byes and len(byes) < self.size:  # the usual skew at job end
-                if self._bye_since is None:
-                    self._bye_since = self._bye_warned = now
-                elif now - self._bye_warned >= self.cfg.sync.stall_warning_s:
-                    self._bye_warned = now
-                    logger.warning(
-                        "rank %d called hipress.shutdown() %.0f s ago and waits for rank(s) %s "
-                        "to do the same. %s", self.rank, now - self._bye_since,
-                        sorted(set(range(self.size)) - byes), self._shutdown_hint())
-                    if now - self._bye_since > self.cfg.sync.stall_limit_s:
-                        raise StallError(f"rank(s) {sorted(set(range(self.size)) - byes)} did "
-                                         "not shut down within sync.stall_shutdown_s")
+                self._wait_for_byes(byes)
             return
         left = sorted({r for ranks in waiting.values() for r in ranks})
         names = sorted(waiting)
@@ -882,6 +886,24 @@ class Engine:
             "own output and exit status tell why; otherwise ranks ran different numbers of "
             "steps: give every rank the same number of batches (e.g. drop_last=True with a "
             "DistributedSampler)")
+
+    def _wait_for_byes(self, byes: set) -> None:
+        """Wait for the others' goodbye after this rank's: warn, give up at the stall shutdown.
+
+        The ranks still running may be hung, or busy with other work (evaluation).
+        """
+        now = time.monotonic()
+        if self._bye_since is None:
+            self._bye_since = now
+        others = sorted(set(range(self.size)) - byes)
+        state = self._bye_watch.check(now - self._bye_since)
+        if state == "fatal":
+            raise StallError(f"rank(s) {others} did not shut down within "
+                             f"sync.stall_shutdown_s={self.cfg.sync.stall_shutdown_s:g} s")
+        if state == "warn":
+            logger.warning("rank %d called hipress.shutdown() %.0f s ago and waits for rank(s) "
+                           "%s to do the same. %s", self.rank, now - self._bye_since, others,
+                           self._shutdown_hint())
 
     def _uncompress_nonfinite(self, sub: _Submission, ranks: List[int]) -> None:
         """Send a gradient with inf/NaN on some rank uncompressed, this step only.
@@ -1065,6 +1087,30 @@ class Engine:
         return str(self.cfg.timeline).format(rank=self.rank)
 
 
+class _StallWatch:
+    """Warn every ``warning_s`` seconds while something waits; fatal after ``limit_s``.
+
+    The waited time is passed in by the caller (a round in flight, the oldest incomplete
+    name, a goodbye); once it falls back to ``warning_s`` or below, warnings start over.
+    """
+
+    def __init__(self, warning_s: float, limit_s: float) -> None:
+        self.warning_s, self.limit_s = warning_s, limit_s
+        self._next = warning_s
+
+    def check(self, waited: float) -> Optional[str]:
+        """Return ``"fatal"`` past the limit, ``"warn"`` when a warning is due, else None."""
+        if waited > self.limit_s:
+            return "fatal"
+        if waited <= self.warning_s:
+            self._next = self.warning_s
+            return None
+        if waited > self._next:
+            self._next = (waited // self.warning_s + 1) * self.warning_s
+            return "warn"
+        return None
+
+
 def _describe_stall(stall: List[list], size: int, limit: int = 8) -> str:
     """Describe ``[[name, missing ranks], ...]`` for stall warnings and errors."""
     lines = [f"{name!r} not submitted by rank(s) {missing} (submitted by "
@@ -1116,19 +1162,6 @@ def _codec_key(name: str, params: Dict[str, Any]) -> str:
 def _split_key(key: str) -> Tuple[str, Dict[str, Any]]:
     name, _, params = key.partition("?")
     return name, (json.loads(params) if params else {})
-
-
-def _build_codec_cached(engine: Engine, algo: str,
-                        params: Dict[str, Any]) -> Tuple[Codec, str]:
-    """Return the engine's codec for ``(algo, params)`` (built and bound on first use)."""
-    key = _codec_key(algo, params)
-    codec = engine._codecs.get(key)
-    if codec is None:
-        codec = _build_codec(algo, params)
-        codec.bind(engine.rank, engine.size)
-        with engine._lock:
-            codec = engine._codecs.setdefault(key, codec)
-    return codec, key
 
 
 def _fmt_bytes(n: float) -> str:
