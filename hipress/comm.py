@@ -63,7 +63,7 @@ def world() -> World:
         ImportError: mpi4py is not installed (it is a core dependency: reinstall hipress).
         RuntimeError: the MPI library provides less than MPI_THREAD_SERIALIZED.
     """
-    global _WORLD
+    global _WORLD, _FINALIZER_REGISTERED
     if _WORLD is not None:
         return _WORLD
     try:
@@ -79,7 +79,8 @@ def world() -> World:
     from mpi4py import MPI
 
     if not _FINALIZER_REGISTERED:
-        _register_finalizer()
+        _FINALIZER_REGISTERED = True
+        atexit.register(_finalize_at_exit)
 
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
@@ -112,12 +113,6 @@ def world() -> World:
 
 _FINALIZER_REGISTERED = False
 _CLEAN = True
-
-
-def _register_finalizer() -> None:
-    global _FINALIZER_REGISTERED
-    _FINALIZER_REGISTERED = True
-    atexit.register(_finalize_at_exit)
 
 
 def mark_unclean() -> None:

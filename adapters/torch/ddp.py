@@ -156,15 +156,15 @@ def make_ddp_hook(
             state = _default_state
         state.new_bucket(bucket.index())
         buffer = bucket.buffer()
+        grads = bucket.gradients()  # views into the bucket buffer
         arrays, handles = [], []
-        for j, (grad, param) in enumerate(zip(bucket.gradients(), bucket.parameters())):
+        for j, (grad, param) in enumerate(zip(grads, bucket.parameters())):
             array = to_array(grad)  # a view into the bucket buffer
             arrays.append(array)
             handles.append(hipress.allreduce_async(
                 array, name=state.gradient_name(bucket, j, param), op=op, codec=codec,
                 inplace=True))
         future: torch.futures.Future = torch.futures.Future()
-        grads = bucket.gradients()
 
         def finish(results: List[Any], _keep: Any = arrays) -> torch.Tensor:
             for grad, result in zip(grads, results):
