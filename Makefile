@@ -13,7 +13,8 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 # the core on NumPy 1.23 plus the MXNet adapter
 MX_TESTS := tests/test_mxnet_adapter.py tests/test_codec_base.py tests/test_codecs_common.py \
 	tests/test_codecs_quant.py tests/test_codecs_sparse.py tests/test_powersgd.py \
-	tests/test_config.py tests/test_engine.py
+	tests/test_config.py tests/test_engine.py tests/test_horovod_compat_mxnet.py \
+	tests/test_horovod_compat.py
 
 .PHONY: install venv-mxnet run run-tf run-mxnet test test-mxnet lint clean
 

@@ -14,6 +14,9 @@ Two measurements, each a median over ``--iters`` after ``--warmup``, slowest ran
   touches every gradient once). Each codec runs twice: results in new arrays, and
   ``inplace=True`` (results written into the gradients, as the adapters submit them;
   averaging in place changes the values each iteration, which changes nothing in cost).
+- ``--part latency``: one ``hipress.allreduce`` of 4 float32 values (a negotiation round
+  plus a transfer: the engine's fixed cost per round trip) against ``MPI.Allreduce`` of
+  the same array; median over ``--iters`` x 50 calls. Not in the default ``--part``.
 
 Usage (launches mpirun itself; ``--np 1`` runs in this process)::
 
@@ -51,7 +54,7 @@ def parse(argv: Any = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--np", default="1,4", help="world sizes, comma separated")
-    p.add_argument("--part", default="step,core", help="step and/or core")
+    p.add_argument("--part", default="step,core", help="step, core and/or latency")
     p.add_argument("--codecs", default=CODECS)
     p.add_argument("--model", default="resnet50", help="model (step) and gradient set (core)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -147,6 +150,33 @@ def core_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
         hipress.reset_state(tag)
     for r in rows:
         r["bytes"] = nbytes
+    return rows
+
+
+def latency_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Time a tiny allreduce through HiPress against MPI's own (this rank)."""
+    import hipress
+
+    x = np.ones(4, np.float32)
+    out = np.empty_like(x)
+    calls = args.iters * 50
+
+    def hp_once() -> None:
+        hipress.allreduce(x, name="latency")
+
+    if hipress.size() > 1:
+        from mpi4py import MPI
+
+        def mpi_once() -> None:
+            MPI.COMM_WORLD.Allreduce(x, out)
+    else:
+        def mpi_once() -> None:
+            np.copyto(out, x)
+
+    rows = []
+    for codec, fn in (("mpi allreduce", mpi_once), ("hipress allreduce", hp_once)):
+        ms = _slowest(_median_ms(fn, calls, args.warmup * 10, lambda: None))
+        rows.append({"part": "latency", "codec": codec, "ms": ms})
     return rows
 
 
@@ -307,6 +337,8 @@ def worker(args: argparse.Namespace) -> None:
             rows += mxnet_rows(args)
     if "core" in parts and args.framework == "torch":
         rows += core_rows(args)
+    if "latency" in parts and args.framework == "torch":
+        rows += latency_rows(args)
     if hipress.rank() == 0:
         print("ROWS " + json.dumps(rows), flush=True)
     hipress.shutdown()
@@ -347,7 +379,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"| | {r['framework']} | {r['np']} | FAILED rc={r['error']} | | | |")
             continue
-        base_name = "plain" if r["part"] == "step" else "memcpy"
+        base_name = {"step": "plain", "latency": "mpi allreduce"}.get(r["part"], "memcpy")
         base = [b for b in rows if "error" not in b and b["part"] == r["part"]
                 and b["np"] == r["np"] and b["framework"] == r["framework"]
                 and b["codec"] == base_name]

@@ -6,6 +6,7 @@ Runs the gradient sets of ResNet-50, VGG-19 and BERT-base (shapes shipped in
 - ``horovod``: uncompressed MPI allreduce of fused 64 MiB buckets;
 - ``grace``: compress -> allgather -> decompress each -> sum, per tensor (GRACE);
 - ``byteps``: non-pipelined parameter server, decode-sum-re-encode per tensor (BytePS onebit);
+- ``hipress-none``: HiPress's uncompressed allreduce (fused small, in-place large);
 - ``hipress-ps`` / ``hipress-ring``: CaSync-PS / CaSync-Ring (or the path the engine picks
   for codecs that cannot be merged: gather for DGC/GradDrop, compressed allreduce for
   PowerSGD), pipelined, small tensors fused uncompressed.
@@ -14,6 +15,11 @@ Usage (launches mpirun itself)::
 
     python bench/sync.py --np 4 --models resnet50 --iters 3
     python bench/sync.py --np 4 --models vgg19 --codecs onebit,dgc --systems horovod,hipress-ps
+
+``--transports mpi,torch`` runs the HiPress rows once per transport in one invocation:
+under ``mpirun`` (MPI) and under ``torchrun`` (torch.distributed gloo), then prints each
+row's torch/MPI time ratio. The baselines need MPI and run in the MPI job only;
+``hipress-none`` (HiPress's uncompressed allreduce) runs under both.
 
 Each time is the slowest rank's, median over ``--iters`` after ``--warmup`` iterations.
 """
@@ -59,18 +65,102 @@ def parse() -> argparse.Namespace:
                    help="sync.plan for the HiPress rows: none, auto (SeCoPa) or a plan file")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     p.add_argument("--mpi-args", default="", help="extra mpirun arguments")
+    p.add_argument("--transports", default="mpi",
+                   help="mpi, torch, or mpi,torch to compare HiPress over both in one run")
+    p.add_argument("--transport", default="mpi", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args()
+    argv = os.environ.get("HIPRESS_BENCH_ARGV")
+    return p.parse_args(json.loads(argv) if argv else None)
 
 
 def launch(args: argparse.Namespace) -> int:
+    transports = [t for t in args.transports.split(",") if t]
+    if len(transports) == 1:
+        return _launch_one(args, transports[0], args.json)
+    results = {}
+    for t in transports:
+        out = Path(f"/tmp/hipress-sync-{os.getpid()}-{t}.json")
+        rc = _launch_one(args, t, str(out))
+        if rc:
+            return rc
+        results[t] = json.loads(out.read_text())
+        out.unlink()
+    base = transports[0]
+    print(f"\n{'model':10s} {'system':13s} {'codec':9s} " + " ".join(
+        f"{t + ' s':>9s}" for t in transports) + "  " + " ".join(
+        f"{t + '/' + base:>11s}" for t in transports[1:]), flush=True)
+    keyed = {t: {(r["model"], r["system"], r["codec"]): r["time_s"] for r in rows}
+             for t, rows in results.items()}
+    for key, t0 in keyed[base].items():
+        if not all(key in keyed[t] for t in transports):
+            continue
+        times = [keyed[t][key] for t in transports]
+        print(f"{key[0]:10s} {key[1]:13s} {key[2]:9s} " + " ".join(f"{x:9.3f}" for x in times)
+              + "  " + " ".join(f"{x / t0:10.2f}x" for x in times[1:]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def _launch_one(args: argparse.Namespace, transport: str, json_out) -> int:
+    """Run the worker on ``args.np`` local ranks under mpirun (MPI) or torchrun (torch)."""
+    passed = _strip(sys.argv[1:], ("--transports", "--json"))
+    passed += ["--transport", transport] + (["--json", json_out] if json_out else [])
+    if transport == "torch":
+        # torchrun's own parser would claim options such as --np: pass them in the env
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.np),
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+               "--local-ranks-filter", "0", __file__]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI"))}
+        env.update(PYTHONUNBUFFERED="1", HIPRESS_TRANSPORT="torch",
+                   HIPRESS_BENCH_ARGV=json.dumps(["--worker"] + passed))
+        return subprocess.call(cmd, env=env)
     mpirun = Path(sys.executable).parent / "mpirun"
     cmd = [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(args.np), "--oversubscribe",
            "--bind-to", "none"] + args.mpi_args.split() + [sys.executable, __file__, "--worker"]
-    cmd += [a for a in sys.argv[1:]]
+    cmd += passed
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1")
     return subprocess.call(cmd, env=env)
+
+
+def _strip(argv, flags):
+    """Return ``argv`` without the given ``--flag value`` / ``--flag=value`` options."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in flags):
+            continue
+        out.append(a)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _EngineComm:
+    """Barrier and max-allreduce through HiPress itself (no mpi4py: the torch transport)."""
+
+    def __init__(self, hp) -> None:
+        self.hp = hp
+        self.n = 0
+
+    def Barrier(self) -> None:  # noqa: N802 - mpi4py's spelling
+        self.hp.barrier()
+
+    def allreduce(self, x: float, op=None) -> float:
+        self.n += 1
+        return float(self.hp.allreduce(np.array([x]), f"__bench.max.{self.n}", op="max")[0])
 
 
 def load_grads(model: str, rank: int) -> dict:
@@ -81,14 +171,17 @@ def load_grads(model: str, rank: int) -> dict:
 
 
 def timed(comm, fn, iters: int, warmup: int) -> float:
-    from mpi4py import MPI
+    op = None
+    if not isinstance(comm, _EngineComm):
+        from mpi4py import MPI
 
+        op = MPI.MAX
     times = []
     for i in range(warmup + iters):
         comm.Barrier()
         t0 = time.perf_counter()
         fn()
-        dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        dt = comm.allreduce(time.perf_counter() - t0, op=op)
         if i >= warmup:
             times.append(dt)
     return float(np.median(times))
@@ -113,17 +206,22 @@ def hipress_fn(hp, grads: dict, label: str, codec, strategy):
 
 
 def worker(args: argparse.Namespace) -> None:
-    from baselines import BytePSNonPipelined, GraceAllgather, horovod_allreduce
-    from mpi4py import MPI
-
     import hipress as hp
     from hipress.codecs import get_codec
 
-    comm = MPI.COMM_WORLD
     hp.init({"timeline": args.timeline, "logging": {"level": "WARNING"},
-             "sync": {"plan": args.plan}})
+             "sync": {"plan": args.plan}, "transport": args.transport})
     rank, n = hp.rank(), hp.size()
     systems = args.systems.split(",")
+    if args.transport == "torch":
+        comm = _EngineComm(hp)
+        systems = [s for s in systems if s.startswith("hipress")]  # baselines need MPI
+        horovod_allreduce = None
+    else:
+        from baselines import BytePSNonPipelined, GraceAllgather, horovod_allreduce
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
     codecs = [c for c in args.codecs.split(",") if c]
     rows = []
 
@@ -150,6 +248,11 @@ def worker(args: argparse.Namespace) -> None:
         if "horovod" in systems:
             report(model, "horovod", "none",
                    timed(comm, partial(horovod_allreduce, comm, grads), args.iters, args.warmup))
+        if "hipress-none" in systems:
+            label = f"{model}/hipress-none"
+            report(model, "hipress-none", "none",
+                   timed(comm, hipress_fn(hp, grads, label, None, None), args.iters,
+                         args.warmup), 1.0, "fused/direct")
         for codec in codecs:
             params = DEFAULT_PARAMS.get(codec, {})
             cobj = get_codec(codec, **params)

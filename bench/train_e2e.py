@@ -85,6 +85,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--codecs", default="onebit,tbq,terngrad,dgc,graddrop,powersgd",
                    help="HiPress codecs ('' for none)")
     p.add_argument("--strategies", default="ps,ring", help="HiPress sync.strategy values")
+    p.add_argument("--transports", default="mpi",
+                   help="HiPress transports: mpi, torch (gloo, rows labelled @torch) or both")
     p.add_argument("--ompi-ring", action="store_true",
                    help="force Open MPI's ring allreduce in the mpi-allreduce job")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch jobs")
@@ -125,10 +127,12 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     jobs: List[Dict[str, Any]] = []
 
     def add(framework: str, model: str, label: str, system: str, codec: str = "",
-            strategy: str = "", hook: str = "") -> None:
+            strategy: str = "", hook: str = "", transport: str = "mpi") -> None:
         w = ["--system", system, "--model", model, *common]
         if hook:
             w += ["--hook", hook]
+        if transport != "mpi":
+            w += ["--transport", transport]
         if system in ("hipress", "tf-hipress"):
             w += ["--codec", codec, "--strategy", strategy]
         jobs.append({"framework": framework, "model": model, "label": label, "system": system,
@@ -143,11 +147,15 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
                     add("torch", model, f"ddp-{hook}", "ddp", hook=hook)
             if "mpi-allreduce" in baselines:
                 add("torch", model, "mpi-allreduce", "mpi-allreduce")
-            if "hipress-none" in baselines:
-                add("torch", model, "hipress-none", "hipress", "none", strategies[0])
-            for codec in csv(args.codecs):
-                for strategy in strategies:
-                    add("torch", model, f"hipress-{strategy}-{codec}", "hipress", codec, strategy)
+            for tx in csv(args.transports) or ["mpi"]:
+                at = "" if tx == "mpi" else f"@{tx}"
+                if "hipress-none" in baselines:
+                    add("torch", model, f"hipress-none{at}", "hipress", "none", strategies[0],
+                        transport=tx)
+                for codec in csv(args.codecs):
+                    for strategy in strategies:
+                        add("torch", model, f"hipress-{strategy}-{codec}{at}", "hipress", codec,
+                            strategy, transport=tx)
     if args.tf:
         add("tf", "resnet50", "tf-floor", "tf-floor")
         for codec in csv(args.tf_codecs):
@@ -181,7 +189,7 @@ def job_command(job: Dict[str, Any], args: argparse.Namespace, hosts: Optional[s
     if job["system"] == "mpi-allreduce" and args.ompi_ring:
         cmd += list(HOROVOD_RING)
     worker = list(job["worker"])
-    if job["system"] == "ddp":
+    if job["system"] == "ddp" or "--transport" in worker:
         worker += ["--master", master]
     return cmd + [sys.executable, str(WORKER), *worker, "--json", str(prefix)]
 
@@ -212,6 +220,7 @@ def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any
             "step_call_s": _median([s["step_call_s"] for s in timed if "step_call_s" in s]),
             "engine_cpu_s": _mean([s["engine_cpu_s"] for s in timed]),
             "cpu_s": _mean([s["cpu_s"] for s in timed]),
+            "gc_s": _mean([s["gc_s"] for s in timed if "gc_s" in s]),
             "update_s": r.get("update_s"), "loss": r.get("loss"),
         })
     world = ranks[0]["world"]
@@ -224,7 +233,7 @@ def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any
     row = {"step_s": step, "images_per_s": world * ranks[0]["batch_size"] / step,
            "world": world, "compute_s": avg("compute_s"), "step_call_s": avg("step_call_s"),
            "update_s": avg("update_s"), "engine_cpu_s": avg("engine_cpu_s"),
-           "cpu_s": avg("cpu_s"), "threads": ranks[0]["threads"],
+           "cpu_s": avg("cpu_s"), "gc_s": avg("gc_s"), "threads": ranks[0]["threads"],
            "warmup_used": ranks[0]["warmup_used"], "per_rank": per_rank,
            "hosts": sorted({r["host"] for r in ranks})}
     if row["step_call_s"] is not None and row["update_s"] is not None:
@@ -271,7 +280,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
     head = (["model", "link", "system", "codec", "strategy", "path", "images/s", "x floor"]
             + [t for _, t in peers]
             + ["step s", "compute s", "step() s", "update s", "exposed sync s",
-               "over floor s", "engine CPU s/step", "CPU s/step", "load 1m", "threads", "rc"])
+               "over floor s", "engine CPU s/step", "CPU s/step", "GC s/step", "load 1m",
+               "threads", "rc"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         vs = r.get("vs", {})
@@ -282,7 +292,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         cells += [fmt(vs.get(p), ".2f", "x") for p, _ in peers]
         cells += [fmt(r.get(k)) for k in ("step_s", "compute_s", "step_call_s", "update_s",
                                           "exposed_sync_s", "overhead_vs_floor_s",
-                                          "engine_cpu_s", "cpu_s")]
+                                          "engine_cpu_s", "cpu_s", "gc_s")]
         cells += [fmt(r["load"][0], ".2f"), str(r.get("threads", "-")), str(r["rc"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -306,9 +316,10 @@ images/s / the compute floor's (ddp-noop; tf-floor for TensorFlow); vs X = image
 backward's return to the end of the update (optimizer.step(); mpi-allreduce: flatten +
 Allreduce + copy back + update); update s = a plain SGD step on the same parameters;
 exposed sync s = step() - update; over floor s = step s - the floor's step s; engine CPU
-= CPU s per step of the threads named hipress*; CPU = process CPU s per step; load 1m =
-1-minute load average when the job started. Breakdown figures are means over ranks of
-per-rank medians (CPU: means)."""
+= CPU s per step of the threads named hipress*; CPU = process CPU s per step; GC = wall s
+per step in Python's cyclic garbage collector (any thread); load 1m = 1-minute load
+average when the job started. Breakdown figures are means over ranks of per-rank medians
+(CPU, GC: means)."""
 
 
 def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import inspect
 import json
 import os
@@ -68,6 +69,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch.set_num_threads (TF: intra-op threads); 0 = library default")
     p.add_argument("--powersgd-start-iter", type=int, default=2)
     p.add_argument("--master", default="127.0.0.1:29600", help="DDP rendezvous host:port")
+    p.add_argument("--transport", default="mpi",
+                   help="HiPress transport: mpi, or torch (gloo groups on --master's store)")
     p.add_argument("--json", required=True, help="output prefix: <json>.rank<R>.json")
     return p.parse_args(argv)
 
@@ -112,15 +115,33 @@ def engine_cpu_s() -> float:
     return sum(_task_cpu_s(t) for t in engine_threads())
 
 
+class GcClock:
+    """Wall seconds spent in Python's cyclic garbage collector (``gc.callbacks``), any thread."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._start: Dict[int, float] = {}
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: Dict[str, Any]) -> None:
+        tid = threading.get_ident()
+        if phase == "start":
+            self._start[tid] = time.perf_counter()
+        elif tid in self._start:
+            self.total_s += time.perf_counter() - self._start.pop(tid)
+
+
 class StepClock:
-    """Collects per-step wall, CPU and engine-CPU times."""
+    """Collects per-step wall, CPU, engine-CPU and garbage-collector times."""
 
     def __init__(self) -> None:
         self.steps: List[Dict[str, float]] = []
-        self._t0 = self._cpu0 = self._eng0 = 0.0
+        self._t0 = self._cpu0 = self._eng0 = self._gc0 = 0.0
+        self._gc = GcClock()
 
     def start(self) -> None:
         """Mark the start of a step."""
+        self._gc0 = self._gc.total_s
         self._eng0, self._cpu0, self._t0 = engine_cpu_s(), time.process_time(), time.perf_counter()
 
     def stop(self, **phases: float) -> None:
@@ -128,7 +149,8 @@ class StepClock:
         t1 = time.perf_counter()
         cpu1, eng1 = time.process_time(), engine_cpu_s()
         self.steps.append({"step_s": t1 - self._t0, "cpu_s": cpu1 - self._cpu0,
-                           "engine_cpu_s": eng1 - self._eng0, **phases})
+                           "engine_cpu_s": eng1 - self._eng0,
+                           "gc_s": self._gc.total_s - self._gc0, **phases})
 
 
 def hipress_paths(stats: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
@@ -236,12 +258,17 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
         # trailing "!" (onebit!) it is passed as compression=, which compresses every
         # tensor, batch-norm vectors included
         codec = args.codec.rstrip("!")
+        base = {"sync.strategy": args.strategy, "transport": args.transport}
+        if args.transport == "torch":  # mpirun only starts the processes
+            host, port = args.master.split(":")
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=host,
+                              MASTER_PORT=port)
         if args.codec.endswith("!"):
-            hp.init(**{"sync.strategy": args.strategy})
+            hp.init(**base)
             opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                           compression=codec)
         else:
-            hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": codec})
+            hp.init(**base, **{"compression.algorithm": codec})
             opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hp.broadcast_parameters(model.state_dict(), root_rank=0)
         step = opt.step

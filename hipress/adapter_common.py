@@ -16,7 +16,10 @@ lives here, so the three adapters behave alike:
 - splitting a nested state into a picklable skeleton plus array leaves, so large arrays
   travel through :func:`hipress.broadcast` and only the small skeleton is pickled
   (:func:`split_leaves`, :func:`join_leaves`),
-- ``key=value`` parsing of codec parameters for example scripts (:func:`parse_params`).
+- ``key=value`` parsing of codec parameters for example scripts (:func:`parse_params`),
+- Horovod porting aids (:class:`Compression`, :func:`check_horovod_args`,
+  :func:`predivide_scales`): Horovod's names mean the same here, and Horovod arguments
+  HiPress does not implement fail with a message naming them and the alternative.
 
 Local accumulation rule (the same as Horovod's): with ``backward_passes_per_step = k`` the
 framework sums the ``k`` local gradients (PyTorch accumulates into ``.grad``), and the
@@ -30,6 +33,7 @@ from __future__ import annotations
 import ast
 import collections
 import dataclasses
+import functools
 import logging
 import numbers
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -38,10 +42,14 @@ from hipress.errors import HiPressError
 
 logger = logging.getLogger(__name__)
 
-#: Reduction ops the adapters accept (``hp.Average``, ``hp.Sum``).
+#: Reduction ops the adapters accept (``hp.Average``, ``hp.Sum``, ``hp.Min``, ``hp.Max``,
+#: ``hp.Product``, as Horovod's). Min, Max and Product run uncompressed.
 Average = "average"
 Sum = "sum"
-_OPS = (Average, Sum)
+Min = "min"
+Max = "max"
+Product = "product"
+_OPS = (Average, Sum, Min, Max, Product)
 
 #: Key under which the engine's state sits inside a framework optimizer's state dict.
 HIPRESS_STATE_KEY = "hipress"
@@ -52,14 +60,17 @@ class BackwardPassError(HiPressError, RuntimeError):
 
 
 def check_op(op: Any) -> str:
-    """Return ``op`` normalized to ``"average"`` or ``"sum"``.
+    """Return ``op`` normalized to a core op name (``"average"``, ``"sum"``, ``"min"``, ...).
 
     Args:
-        op: ``"average"``/``"sum"`` (any case), or the adapters' ``Average``/``Sum``.
+        op: one of those names (any case), or the adapters' ``Average``, ``Sum``, ``Min``,
+            ``Max``, ``Product``.
 
     Raises:
+        UnsupportedArgumentError: Horovod's ``Adasum`` (see :func:`check_horovod_op`).
         ValueError: any other op; the message lists the valid ones.
     """
+    check_horovod_op(op)
     norm = str(op).lower()
     if norm not in _OPS:
         raise ValueError(f"unknown reduction op {op!r}; valid ops: {', '.join(_OPS)}")
@@ -112,10 +123,13 @@ def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None,
             (``compression.algorithm``, per-layer rules, ``min_compress_bytes``, warm-up),
             otherwise no codec (an exact collective). ``"auto"``: the policy in either
             case. A registered codec name (``"onebit"``, ``"none"`` for uncompressed,
-            ...), a CompLL spec path ending in ``.hpc``, or a
+            ...) or a :class:`Compression` attribute (``Compression.fp16``, the same
+            name), a CompLL spec path ending in ``.hpc``, or a
             :class:`hipress.codecs.Codec` instance: that codec for every tensor, whatever
             its size and the step.
-        params: codec constructor parameters (only with a name).
+        params: codec constructor parameters (only with a name). Horovod argument
+            names (``process_set``, ``num_groups``, ...) are refused first, see
+            :func:`check_horovod_args`.
         gradients: True for optimizer wrappers, DDP hooks and trainers, False for the
             collectives users call directly (``allreduce`` of metrics must be exact).
 
@@ -124,6 +138,8 @@ def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None,
         Codec instance.
 
     Raises:
+        UnsupportedArgumentError: ``params`` holds a Horovod argument HiPress does not
+            implement (the message names it and what to do instead).
         ValueError: ``params`` without a codec name.
         CodecError: unknown codec name (valid names are listed) or bad parameters.
         TypeError: ``compression`` is of an unsupported type.
@@ -132,6 +148,7 @@ def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None,
     from hipress.engine import POLICY
 
     params = dict(params or {})
+    check_horovod_args(params)  # Horovod's own arguments are not codec parameters
     if compression is None or compression == POLICY:
         if params:
             raise ValueError(
@@ -142,6 +159,7 @@ def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None,
     if isinstance(compression, Codec):
         return get_codec(compression, **params)
     if isinstance(compression, str):
+        compression = str(compression)  # a Compression attribute is its plain name
         if compression.endswith(".hpc"):
             if params:
                 raise ValueError("parameters of a CompLL spec belong in the spec file")
@@ -149,8 +167,8 @@ def resolve_codec(compression: Any, params: Optional[Mapping[str, Any]] = None,
         codec_class(compression)  # validates early; lists the valid names
         return get_codec(compression, **params) if params else compression
     raise TypeError(
-        "compression must be None, 'auto', a codec name or a Codec instance, got "
-        f"{type(compression)}"
+        "compression must be None, 'auto', a codec name, an hp.Compression attribute or a "
+        f"Codec instance, got {type(compression)}"
     )
 
 
@@ -174,6 +192,248 @@ def parse_params(items: Optional[Iterable[str]]) -> Dict[str, Any]:
         except (ValueError, SyntaxError):
             out[key] = raw.strip()
     return out
+
+
+# ------------------------------------------------------------- Horovod porting aids
+class CompressionChoice(str):
+    """A codec name chosen through :class:`Compression` (``Compression.fp16 == "fp16"``).
+
+    It *is* the name (a ``str``), so it works wherever a codec name does; only its
+    ``repr`` differs (``Compression.fp16``), to read like the Horovod code it came from.
+    """
+
+    def __repr__(self) -> str:
+        return f"Compression.{str(self)}"
+
+
+class _CompressionNamespace(type):
+    """Metaclass of :class:`Compression`: unknown attributes list the valid ones."""
+
+    def __getattr__(cls, name: str) -> CompressionChoice:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        from hipress.codecs import codec_names
+
+        if name in codec_names():  # a codec registered after import (a user's, CompLL's)
+            return CompressionChoice(name)
+        raise AttributeError(
+            f"Compression has no attribute {name!r}; valid: {', '.join(cls.names())} "
+            "(or pass compression='<codec name>' / a Codec instance directly)"
+        )
+
+    def __iter__(cls) -> Iterable[CompressionChoice]:
+        return iter(getattr(cls, n) for n in cls.names())
+
+
+class Compression(metaclass=_CompressionNamespace):
+    """Horovod's ``hvd.Compression``: one attribute per built-in codec.
+
+    Scripts ported from Horovod keep ``compression=hvd.Compression.fp16``; every attribute
+    is the codec's registered name (a :class:`CompressionChoice`, a ``str``), accepted by
+    every ``compression=`` argument (``DistributedOptimizer``, ``DistributedGradientTape``,
+    ``DistributedTrainer``, DDP hooks, ``allreduce``) through :func:`resolve_codec`.
+
+    ``Compression.none`` is the codec ``"none"``: exact, uncompressed synchronization of
+    every gradient, whatever its size and the step (Horovod's meaning). It is *not* the
+    same as ``compression=None``, which for gradient wrappers (optimizers, tapes,
+    trainers, DDP hooks) follows the job's compression policy (``compression.algorithm``
+    of the config, per-layer rules, ``min_compress_bytes``, warm-up) and for direct
+    collectives (``allreduce``) means exact. To let the config decide, pass None or
+    ``"auto"``; to force exact gradients, pass ``Compression.none``.
+
+    Attributes: ``none``, ``fp16``, ``bf16`` (casts); ``onebit``, ``tbq``, ``terngrad``,
+    ``qsgd``, ``minmax8``, ``signsgd``, ``efsignsgd`` (quantizers); ``dgc``,
+    ``graddrop``, ``topk``, ``randomk`` (sparsifiers); ``powersgd`` (low rank). A codec
+    registered later (:func:`hipress.codecs.register_codec`) is reachable by its name as
+    well. Unknown attributes raise ``AttributeError`` listing the valid ones.
+    """
+
+    none = CompressionChoice("none")
+    fp16 = CompressionChoice("fp16")
+    bf16 = CompressionChoice("bf16")
+    onebit = CompressionChoice("onebit")
+    tbq = CompressionChoice("tbq")
+    terngrad = CompressionChoice("terngrad")
+    qsgd = CompressionChoice("qsgd")
+    minmax8 = CompressionChoice("minmax8")
+    signsgd = CompressionChoice("signsgd")
+    efsignsgd = CompressionChoice("efsignsgd")
+    dgc = CompressionChoice("dgc")
+    graddrop = CompressionChoice("graddrop")
+    topk = CompressionChoice("topk")
+    randomk = CompressionChoice("randomk")
+    powersgd = CompressionChoice("powersgd")
+
+    @classmethod
+    def names(cls) -> List[str]:
+        """Return the names of the built-in attributes, in declaration order."""
+        return [k for k, v in vars(cls).items() if isinstance(v, CompressionChoice)]
+
+
+#: Horovod's ``hvd.Adasum`` op, exported so ported scripts reach the clear error of
+#: :func:`check_horovod_op` rather than an ``AttributeError``. HiPress does not implement it.
+Adasum = "adasum"
+
+
+class UnsupportedArgumentError(HiPressError, TypeError, ValueError):
+    """A Horovod argument that HiPress does not implement was given.
+
+    Derives from ``TypeError`` (an unexpected keyword argument) and ``ValueError`` (a
+    value HiPress refuses), so either handler catches it.
+    """
+
+
+_SYNC_ALL = "HiPress synchronizes over all ranks of the job"
+_GROUPING = ("HiPress groups tensors itself (small uncompressed tensors are fused up to "
+             "sync.fusion_threshold_bytes, large ones partitioned); drop the argument")
+#: Horovod argument -> why HiPress refuses it and what to do instead.
+HOROVOD_UNSUPPORTED: Dict[str, str] = {
+    "process_set": f"process sets are not supported; {_SYNC_ALL}. Drop the argument, or "
+                   "start one HiPress job per group of ranks",
+    "num_groups": f"explicit allreduce groups are not supported; {_GROUPING}",
+    "groups": f"explicit allreduce groups are not supported; {_GROUPING}",
+    "sparse_as_dense": "it has no meaning here: this adapter synchronizes dense gradients "
+                       "only. Drop the argument",
+    "device_dense": "HiPress reduces each tensor on the device it lives on; drop the argument",
+    "device_sparse": "HiPress reduces each tensor on the device it lives on; drop the argument",
+    "prescale_factor": "scale the tensor before the call (e.g. tensor * factor) instead",
+    "postscale_factor": "scale the result after the call instead",
+    "average": "the deprecated average= flag is not supported; pass op=hp.Average or "
+               "op=hp.Sum",
+    "average_aggregated_gradients": "local passes are summed (Horovod's default); scale the "
+                                    "loss by 1/backward_passes_per_step for their mean",
+    "scale_local_gradients": f"local gradients are not a separate group: {_SYNC_ALL}; drop "
+                             "the argument",
+    "ignore_name_scope": "gradient names come from the variables' paths; drop the argument",
+}
+
+
+def check_horovod_args(kwargs: Mapping[str, Any], api: str = "",
+                       allow: Iterable[str] = ()) -> None:
+    """Refuse Horovod arguments HiPress does not implement, before they pass as codec params.
+
+    The adapters take ``**codec_params`` (``ratio=0.01``); without this check a ported
+    ``process_set=...`` would be reported as a codec parameter given without a codec.
+
+    Args:
+        kwargs: the keyword arguments an adapter API received beyond its own.
+        api: the API's name, for the message (e.g. ``"DistributedOptimizer"``).
+        allow: names this API handles itself (skipped).
+
+    Raises:
+        UnsupportedArgumentError: the first Horovod argument found (sorted by name); the
+            message names it, says HiPress does not support it, and what to do instead.
+    """
+    allowed = set(allow)
+    for key in sorted(kwargs):
+        if key in HOROVOD_UNSUPPORTED and key not in allowed:
+            where = f"{api}(" if api else "the "
+            close = ")" if api else " call"
+            raise UnsupportedArgumentError(
+                f"{where}{key}={kwargs[key]!r}{close}: the Horovod argument {key!r} is not "
+                f"supported by HiPress: {HOROVOD_UNSUPPORTED[key]}"
+            )
+
+
+def refuses_horovod_args(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an adapter function so Horovod arguments it lacks get a clear error.
+
+    A ported ``hvd.broadcast(t, 0, process_set=ps)`` raises
+    :class:`UnsupportedArgumentError` naming the argument (see
+    :func:`check_horovod_args`) instead of Python's bare "unexpected keyword argument".
+    """
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            check_horovod_args(
+                {k: v for k, v in kwargs.items() if k in HOROVOD_UNSUPPORTED}, fn.__name__)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def check_horovod_op(op: Any, api: str = "") -> None:
+    """Refuse Horovod ops HiPress does not implement (``hp.Adasum``); pass others through.
+
+    Raises:
+        UnsupportedArgumentError: ``op`` is Adasum.
+    """
+    if str(op).lower() == Adasum:
+        where = f"{api}(op=Adasum)" if api else "op=Adasum"
+        raise UnsupportedArgumentError(
+            f"{where}: the Adasum reduction is not supported by HiPress; pass op=hp.Average "
+            "(the default) or op=hp.Sum, and choose a codec with compression=... to cut "
+            "traffic"
+        )
+
+
+def predivide_scales(factor: Any, op: str, size: int) -> Tuple[float, float]:
+    """Validate ``gradient_predivide_factor`` and return (prescale, postscale).
+
+    Horovod's semantics: gradients are multiplied by ``1/f`` before the sum and the sum
+    by ``f/size`` after it, so the result is the plain average whatever ``f`` (a larger
+    ``f`` keeps low-precision sums away from overflow, a smaller one from underflow). The
+    engine's ``"average"`` already divides by ``size``, so the postscale returned here is
+    ``f`` itself.
+
+    Args:
+        factor: ``f``, a real number in ``[1, size]``; 1 means no predivision (and no
+            extra multiplication at all: the result is bit-identical to no factor).
+        op: the normalized reduction op (``"average"`` or ``"sum"``).
+        size: the world size.
+
+    Returns:
+        ``(1/f, f)``: multiply each local gradient by the first before it is submitted and
+        each averaged result by the second.
+
+    Raises:
+        ConfigError: ``f`` is not a number, outside ``[1, size]``, or not 1 while ``op``
+            is not ``"average"`` (a sum has no division to share, as in Horovod).
+    """
+    from hipress.errors import ConfigError
+
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+        raise ConfigError(
+            f"gradient_predivide_factor must be a number in [1, world size = {size}], got "
+            f"{factor!r}"
+        )
+    f = float(factor)
+    if not 1.0 <= f <= size:
+        if size == 1:
+            raise ConfigError(
+                f"gradient_predivide_factor={factor!r} is outside the valid range [1, 1]: at "
+                "world size 1 only 1 (no predivision) is valid. Pass 1, or make it depend "
+                "on the world size (e.g. min(f, hp.size()))"
+            )
+        raise ConfigError(
+            f"gradient_predivide_factor={factor!r} is outside the valid range [1, {size}] "
+            f"(1 .. world size): the gradients are divided by it before the sum and the sum "
+            f"by world size / factor after it. Pass a value between 1 (no predivision) and "
+            f"{size} (divide everything before the sum)"
+        )
+    if f != 1.0 and op != Average:
+        raise ConfigError(
+            f"gradient_predivide_factor={factor!r} needs op=hp.Average (got op={op!r}): it "
+            "splits the averaging division around the sum, and a sum has none. Use "
+            "op=hp.Average, or scale the loss yourself with op=hp.Sum"
+        )
+    return 1.0 / f, f
+
+
+def scale_array(array: Any, factor: float, inplace: bool) -> Any:
+    """Return ``array * factor`` in ``array``'s dtype (written into ``array`` if ``inplace``).
+
+    Args:
+        array: a NumPy or CuPy float array.
+        factor: the multiplier; 1.0 returns ``array`` unchanged.
+        inplace: write into ``array`` (it must be writable and owned by the caller).
+    """
+    if factor == 1.0:
+        return array
+    if inplace:
+        array *= array.dtype.type(factor)
+        return array
+    return (array * array.dtype.type(factor)).astype(array.dtype, copy=False)
 
 
 # --------------------------------------------------------------------------- the step
@@ -209,9 +469,15 @@ class GradientSynchronizer:
         inplace: the arrays handed in are the framework's own writable gradient buffers:
             the engine writes each result into its array (see
             :func:`hipress.allreduce_async`), so no result array is allocated per step.
+        gradient_predivide_factor: Horovod's ``f`` in ``[1, world size]``: each gradient
+            is multiplied by ``1/f`` before it is submitted and each average by ``f``
+            after (see :func:`predivide_scales`); 1 touches nothing. Scaling happens in
+            place with ``inplace``, on a copy otherwise (the framework's tensors are not
+            modified).
 
     Raises:
         ValueError: duplicate names, a bad op, or ``backward_passes_per_step < 1``.
+        ConfigError: a bad ``gradient_predivide_factor``.
     """
 
     def __init__(
@@ -221,11 +487,18 @@ class GradientSynchronizer:
         codec: Any = None,
         backward_passes_per_step: int = 1,
         inplace: bool = False,
+        gradient_predivide_factor: float = 1.0,
     ) -> None:
         self.names = check_unique_names(names)
         self.inplace = bool(inplace)
         self.op = check_op(op)
         self.codec = codec
+        self.prescale, self.postscale = 1.0, 1.0
+        if gradient_predivide_factor != 1:
+            import hipress
+
+            self.prescale, self.postscale = predivide_scales(
+                gradient_predivide_factor, self.op, hipress.size())
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
@@ -312,7 +585,9 @@ class GradientSynchronizer:
                         name, entry.passes, self.backward_passes_per_step,
                     )
                     self._submit(name, arr, contributes=True)
-            return {n: hipress.synchronize(self._entries[n].handle) for n in self.names}
+            return {n: scale_array(hipress.synchronize(self._entries[n].handle),
+                                   self.postscale, self.inplace)
+                    for n in self.names}
         finally:
             self.reset()
 
@@ -335,6 +610,8 @@ class GradientSynchronizer:
         import hipress
 
         entry = self._entries[name]
+        if contributes:
+            array = scale_array(array, self.prescale, self.inplace)
         entry.array = array
         entry.contributes = contributes
         entry.handle = hipress.allreduce_async(
@@ -462,9 +739,11 @@ class PassAccumulator:
         op: ``"average"`` or ``"sum"`` across ranks.
         codec: the engine's ``codec`` argument (see :func:`resolve_codec`).
         backward_passes_per_step: passes summed locally before each synchronization.
+        gradient_predivide_factor: Horovod's predivision (see :class:`GradientSynchronizer`).
 
     Raises:
         ValueError: duplicate names, a bad op, or ``backward_passes_per_step < 1``.
+        ConfigError: a bad ``gradient_predivide_factor``.
     """
 
     def __init__(
@@ -473,8 +752,10 @@ class PassAccumulator:
         op: str = Average,
         codec: Any = None,
         backward_passes_per_step: int = 1,
+        gradient_predivide_factor: float = 1.0,
     ) -> None:
-        self.sync = GradientSynchronizer(names, op, codec, backward_passes_per_step)
+        self.sync = GradientSynchronizer(names, op, codec, backward_passes_per_step,
+                                         gradient_predivide_factor=gradient_predivide_factor)
         self.names = self.sync.names
         self.backward_passes_per_step = self.sync.backward_passes_per_step
         self.passes = 0

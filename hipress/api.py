@@ -65,7 +65,7 @@ def init(config: Any = None, **overrides: Any) -> None:
             cfg = load_config(path=config, overrides=overrides or None)
         _setup_logging(cfg.logging.level)
         _tune_malloc()
-        world = comm.world()
+        world = comm.world(cfg.transport)
         _install_excepthook()
         _ENGINE = Engine(cfg, world)
         for source, codec in _PENDING_NOTES:
@@ -219,7 +219,8 @@ def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = Non
             It must not be modified until the handle completes.
         name: stable name of the gradient, identical on every rank (ranks agree by name,
             not by submission order); unique among outstanding operations.
-        op: "average" or "sum".
+        op: "average", "sum", "min", "max" or "product" (:data:`Average` ...). Min, max
+            and product run uncompressed (``codec=None``).
         codec: None (default): no codec, the result is exact (the uncompressed average
             or sum), as for metrics, losses and counts. ``"auto"``: the job's compression
             policy (``compression.algorithm``, per-layer ``rules``, ``min_compress_bytes``,
@@ -245,9 +246,16 @@ def allreduce_async(array: Any, name: str, op: str = "average", codec: Any = Non
         At world size 1 nothing travels: the result is ``array`` exactly (no codec runs,
         no residual changes) and the handle is already complete.
 
+    Dtypes: with ``codec=None`` any of :data:`hipress.backend.COLLECTIVE_DTYPES`
+    (float16, bfloat16, float32, float64, int8 ... uint64, bool); integer sums wrap as
+    integer arithmetic does, and a bool sum/max is a logical or, min/product a logical
+    and. An ``"average"`` of an integer or bool array is refused (it would truncate): use
+    ``"sum"`` and divide, or cast to a float. With a codec, floats only.
+
     Raises:
-        ValueError: bad op/strategy, or ``name`` already in flight.
-        TypeError: ``array`` is not a floating array.
+        ValueError: bad op/strategy, a codec with min/max/product, or ``name`` already in
+            flight.
+        TypeError: a dtype the op or codec cannot take (see above).
         SyncError: the engine failed earlier.
     """
     return _engine().submit(array, name, op=op, codec=codec, strategy=strategy,
@@ -264,19 +272,240 @@ def allreduce(array: Any, name: str, op: str = "average", codec: Any = None,
     return synchronize(allreduce_async(array, name, op, codec, strategy, contributes, inplace))
 
 
+def grouped_allreduce_async(arrays: List[Any], names: List[str], op: str = "average",
+                            codec: Any = None, inplace: bool = False) -> List[Handle]:
+    """Start allreduces of several arrays negotiated together; return one handle each.
+
+    The arrays travel in one negotiation message, so they become ready in the same round
+    on every rank and small ones share fusion buffers. Arguments as in
+    :func:`allreduce_async`, one name per array.
+
+    Raises:
+        ValueError: ``arrays`` and ``names`` differ in length, a name repeats or is in
+            flight, or a bad op.
+    """
+    return _engine().submit_group(list(arrays), list(names), op=op, codec=codec,
+                                  inplace=inplace)
+
+
+def grouped_allreduce(arrays: List[Any], names: List[str], op: str = "average",
+                      codec: Any = None, inplace: bool = False) -> List[Any]:
+    """Allreduce several arrays in one negotiation; return the results in input order."""
+    return [synchronize(h) for h in grouped_allreduce_async(arrays, names, op, codec, inplace)]
+
+
+class MappedHandle:
+    """A handle whose result is another handle's, passed through a function once.
+
+    Returned by the collectives whose raw result needs reshaping or moving to the GPU;
+    :func:`synchronize` and :func:`poll` accept it like a :class:`Handle`.
+    """
+
+    def __init__(self, inner: Any, fn: Any) -> None:
+        self.name = getattr(inner, "name", "")
+        self._inner, self._fn = inner, fn
+        self._done = False
+        self._value: Any = None
+
+    def done(self) -> bool:
+        """Return True once the result (or an error) is available."""
+        return self._inner.done()
+
+    def wait(self, timeout: Optional[float] = None) -> Any:
+        """Block until done; return the mapped result (see :meth:`Handle.wait`)."""
+        if not self._done:
+            self._value = self._fn(self._inner.wait(timeout))
+            self._done = True
+        return self._value
+
+
+def _like(result: Any, array: Any) -> Any:
+    """Return a host ``result`` on ``array``'s device (CuPy inputs get CuPy results)."""
+    if isinstance(array, np.ndarray):
+        return result
+    from hipress.backend import array_module
+
+    return array_module(array).asarray(result)
+
+
+def allgather_async(array: Any, name: str) -> MappedHandle:
+    """Start gathering every rank's ``array`` along dimension 0; see :func:`allgather`."""
+    return MappedHandle(_engine().collective("allgather", array, name),
+                        lambda res: _like(res[0], array))
+
+
+def allgather(array: Any, name: str) -> Any:
+    """Return every rank's ``array`` concatenated along dimension 0, in rank order.
+
+    Args:
+        array: NumPy or CuPy array with ``ndim >= 1`` of any collective dtype; the first
+            dimension may differ across ranks, the others must not.
+        name: identical on every rank, unique among outstanding operations.
+
+    Returns:
+        An array of shape ``(sum of every rank's shape[0], *array.shape[1:])``, identical
+        on every rank.
+
+    Raises:
+        CollectiveArgumentError: on every rank, before data moves, when the trailing
+            dimensions or dtypes differ across ranks (the message lists them).
+    """
+    return synchronize(allgather_async(array, name))
+
+
+def allgather_rows(array: Any, name: str) -> Tuple[Any, List[int]]:
+    """Return :func:`allgather`'s result and the first dimension of every rank's array.
+
+    For adapters that need each rank's share (the backward pass of a differentiable
+    allgather); the result is on the host.
+    """
+    out, rows = _engine().collective("allgather", array, name).wait()
+    return out, list(rows)
+
+
+def allgather_object(obj: Any, name: str = "") -> List[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order (control data)."""
+    if not name:
+        name = _auto_name("allgather_object")
+    raw, rows = allgather_rows(np.frombuffer(pickle.dumps(obj), dtype=np.uint8), name)
+    offs = np.concatenate([[0], np.cumsum(rows)]).astype(int)
+    return [pickle.loads(raw[offs[r]:offs[r + 1]].tobytes()) for r in range(len(rows))]
+
+
+def alltoall_async(array: Any, name: str, splits: Optional[List[int]] = None) -> MappedHandle:
+    """Start an alltoall; see :func:`alltoall`."""
+    return MappedHandle(_engine().collective("alltoall", array, name, splits=splits),
+                        lambda res: (_like(res[0], array), list(res[1])))
+
+
+def alltoall(array: Any, name: str, splits: Optional[List[int]] = None) -> Tuple[Any, List[int]]:
+    """Send ``splits[j]`` rows of ``array`` to each rank j; return what every rank sent here.
+
+    Args:
+        array: NumPy or CuPy array with ``ndim >= 1`` of any collective dtype; trailing
+            dimensions equal on every rank.
+        name: identical on every rank, unique among outstanding operations.
+        splits: rows for each rank in rank order (``size()`` non-negative integers adding
+            up to ``array.shape[0]``); None splits dimension 0 equally (it must divide by
+            ``size()``).
+
+    Returns:
+        ``(received, received_splits)``: the rows from every rank concatenated in source
+        rank order, and how many rows came from each rank.
+
+    Raises:
+        CollectiveArgumentError: on every rank, before data moves, when any rank's splits
+            are invalid or trailing dimensions/dtypes differ (the message names the rank).
+    """
+    return synchronize(alltoall_async(array, name, splits))
+
+
+def reducescatter_async(array: Any, name: str, op: str = "average") -> MappedHandle:
+    """Start a reduce-scatter; see :func:`reducescatter`."""
+    return MappedHandle(_engine().collective("reducescatter", array, name, op=op),
+                        lambda res: _like(res, array))
+
+
+def reducescatter(array: Any, name: str, op: str = "average") -> Any:
+    """Reduce ``array`` over ranks and return this rank's block of rows.
+
+    Dimension 0 is split as evenly as possible, the first ``shape[0] % size()`` ranks
+    getting one row more (as Horovod); rank r gets the reduction of rows
+    ``[start_r, end_r)`` of every rank's ``array``. Exact (uncompressed); ops and dtypes
+    as for :func:`allreduce_async` with ``codec=None``.
+
+    Raises:
+        TypeError: an average of an integer or bool array.
+        CollectiveArgumentError: on every rank when shapes, dtypes or ops differ.
+    """
+    return synchronize(reducescatter_async(array, name, op))
+
+
+def broadcast_async(array: Any, root: int, name: str) -> MappedHandle:
+    """Start a broadcast of ``root``'s ``array``; :func:`synchronize` returns it (new array).
+
+    Raises:
+        ValueError: ``root`` is not a rank.
+        CollectiveArgumentError: on every rank (from :func:`synchronize`) when the ranks'
+            arrays differ in shape or dtype.
+    """
+    xp_arr = np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array
+
+    def typed(raw: Any) -> Any:
+        out = np.frombuffer(raw.tobytes(), dtype=array.dtype).reshape(array.shape)
+        return _like(out, array) if not isinstance(array, np.ndarray) else out.copy()
+
+    return MappedHandle(_engine().broadcast(xp_arr, root, name, check=True), typed)
+
+
+def join() -> int:
+    """Say this rank has run out of data; return the rank that joined last.
+
+    Until every rank has joined, a joined rank takes part in the other ranks' sum and
+    average allreduces with zeros (leaving its residuals untouched) and is not counted in
+    averages: an average divides by the ranks that contributed. Other collectives
+    cannot run against joined ranks and fail on every rank with a
+    :class:`~hipress.errors.CollectiveArgumentError`. Blocks until every rank has
+    joined; then every rank returns the same rank (of ranks joining in the same
+    negotiation round, the highest). Usable again afterwards (e.g. once per epoch).
+    """
+    return synchronize(_engine().join())
+
+
+def cross_rank() -> int:
+    """Return this rank's index among the ranks with the same :func:`local_rank`.
+
+    That is its host's index when every host runs the same number of ranks (Horovod's
+    ``cross_rank``).
+    """
+    return _engine().world.cross_rank
+
+
+def cross_size() -> int:
+    """Return the number of ranks with this :func:`local_rank` (hosts, when homogeneous)."""
+    return _engine().world.cross_size
+
+
+def is_homogeneous() -> bool:
+    """Return True when every host runs the same number of ranks."""
+    return _engine().world.homogeneous
+
+
 def synchronize(handle: Handle) -> Any:
     """Wait for an asynchronous operation and return its result.
 
     Raises:
-        SyncError: the operation failed on this rank or another (stall, dead rank,
-            mismatched submissions); the message names the gradient and ranks.
+        SyncError: the operation failed on this rank or another (stall, dead rank); the
+            message names the gradient and ranks.
+        CollectiveArgumentError: the ranks' submissions disagree (shape, dtype, op,
+            compression) or a rank refused its arguments; raised on every rank.
+        TypeError: ``handle`` is not a handle from an ``*_async`` call.
     """
-    return handle.wait()
+    return _handle(handle, "synchronize").wait()
 
 
 def poll(handle: Handle) -> bool:
-    """Return True if ``handle`` has completed (never blocks)."""
-    return handle.done()
+    """Return True if ``handle`` has completed (never blocks).
+
+    Raises:
+        TypeError: ``handle`` is not a handle from an ``*_async`` call.
+    """
+    return _handle(handle, "poll").done()
+
+
+def _handle(handle: Any, what: str) -> Any:
+    """Return ``handle`` if it is one (wait/done), else raise a TypeError naming it."""
+    if not (hasattr(handle, "wait") and hasattr(handle, "done")):
+        raise not_a_handle(handle, what)
+    return handle
+
+
+def not_a_handle(handle: Any, what: str) -> TypeError:
+    """Return the error for a ``handle`` argument that is not a handle (an adapter's too)."""
+    return TypeError(
+        f"{what}() expects the handle an *_async call returned, got "
+        f"{type(handle).__name__} {handle!r} (HiPress handles are objects, not Horovod's "
+        "integer ids: keep the returned handle and pass it)")
 
 
 def broadcast(array: Any, root: int, name: str) -> Any:
@@ -285,14 +514,7 @@ def broadcast(array: Any, root: int, name: str) -> Any:
     Raises:
         ValueError: ``root`` is not a rank.
     """
-    xp_arr = np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array
-    raw = _engine().broadcast(xp_arr, root, name).wait()
-    out = np.frombuffer(raw.tobytes(), dtype=array.dtype).reshape(array.shape)
-    if not isinstance(array, np.ndarray):
-        from hipress.backend import array_module
-
-        return array_module(array).asarray(out)
-    return out.copy()
+    return synchronize(broadcast_async(array, root, name))
 
 
 def broadcast_object(obj: Any, root: int = 0, name: str = "") -> Any:

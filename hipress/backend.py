@@ -30,8 +30,13 @@ DTYPE_CODES: dict[np.dtype, int] = {
     np.dtype(np.uint32): 10,
     np.dtype(np.int64): 11,
     np.dtype(np.uint64): 12,
+    np.dtype(np.bool_): 13,
 }
 CODE_DTYPES: dict[int, np.dtype] = {code: dt for dt, code in DTYPE_CODES.items()}
+
+#: Dtypes uncompressed collectives accept (allreduce with codec=None, allgather, alltoall,
+#: reducescatter, broadcast): the floats and every integer dtype with a wire code, bool too.
+COLLECTIVE_DTYPES = tuple(DTYPE_CODES)
 
 #: Floating dtypes a gradient may have.
 GRADIENT_DTYPES = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
@@ -87,6 +92,20 @@ def check_gradient_dtype(dtype: Any, what: str = "gradient") -> np.dtype:
             f"{what} has dtype {dt}; expect float16, bfloat16, float32 or float64 "
             "(cast integer tensors to a float dtype before synchronizing them)"
         )
+    return dt
+
+
+def check_collective_dtype(dtype: Any, what: str = "tensor") -> np.dtype:
+    """Return ``np.dtype(dtype)`` if an uncompressed collective can carry it.
+
+    Raises:
+        TypeError: ``dtype`` is not in :data:`COLLECTIVE_DTYPES`; the message lists them.
+    """
+    dt = np.dtype(dtype)
+    if dt not in DTYPE_CODES:
+        valid = ", ".join(sorted(str(d) for d in DTYPE_CODES))
+        raise TypeError(f"{what} has dtype {dt}, which HiPress collectives cannot carry; "
+                        f"valid dtypes: {valid}")
     return dt
 
 

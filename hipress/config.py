@@ -18,7 +18,10 @@ Precedence (each layer overrides the ones before it, key by key):
        HIPRESS_STRATEGY       -> sync.strategy
        HIPRESS_STALL_SHUTDOWN -> sync.stall_shutdown_s  (seconds; HIPRESS_STALL_TIMEOUT too)
        HIPRESS_STALL_WARNING  -> sync.stall_warning_s   (a number of seconds)
+       HIPRESS_FUSION_THRESHOLD -> sync.fusion_threshold_bytes (bytes, an integer)
+       HIPRESS_CYCLE_TIME     -> sync.cycle_time_ms     (milliseconds)
        HIPRESS_LOG_LEVEL      -> logging.level
+       HIPRESS_TRANSPORT      -> transport
 
    (an empty variable counts as unset);
 4. explicit overrides: the ``overrides`` argument, a dict of dotted keys to values
@@ -83,7 +86,10 @@ ENV_OVERRIDES: Dict[str, Tuple[str, str]] = {
     "HIPRESS_STALL_SHUTDOWN": ("sync.stall_shutdown_s", "float"),
     "HIPRESS_STALL_TIMEOUT": ("sync.stall_shutdown_s", "float"),
     "HIPRESS_STALL_WARNING": ("sync.stall_warning_s", "float"),
+    "HIPRESS_FUSION_THRESHOLD": ("sync.fusion_threshold_bytes", "int"),
+    "HIPRESS_CYCLE_TIME": ("sync.cycle_time_ms", "float:milliseconds"),
     "HIPRESS_LOG_LEVEL": ("logging.level", "str"),
+    "HIPRESS_TRANSPORT": ("transport", "str"),
 }
 
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -379,6 +385,10 @@ class HiPressConfig(BaseModel):
         sync: the synchronization settings.
         timeline: path of a Chrome-trace JSON timeline, or None for no timeline.
         logging: logging settings.
+        transport: how ranks talk: ``mpi`` (mpi4py), ``torch`` (a ``torch.distributed``
+            gloo process group, e.g. under ``torchrun``) or ``auto`` (MPI under an MPI
+            launcher, else torch when a default process group exists or torchrun's
+            variables are set; see :func:`hipress.comm.choose_transport`).
     """
 
     model_config = _STRICT
@@ -389,6 +399,7 @@ class HiPressConfig(BaseModel):
     sync: SyncConfig = Field(default_factory=SyncConfig)
     timeline: Optional[str] = None
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    transport: Literal["auto", "mpi", "torch"] = "auto"
 
     def to_dict(self) -> Dict[str, Any]:
         """Return the config as plain Python values (every key, defaults included)."""
@@ -599,12 +610,20 @@ def _set_dotted(data: Dict[str, Any], key: str, value: Any, source: str) -> None
 
 
 def _env_value(name: str, raw: str, kind: str) -> Any:
-    if kind == "float":
+    if kind.startswith("float"):
+        unit = kind.partition(":")[2] or "seconds"
         try:
             return float(raw)
         except ValueError:
             raise ConfigError(
-                f"environment variable {name}={raw!r} must be a number of seconds"
+                f"environment variable {name}={raw!r} must be a number of {unit}"
+            ) from None
+    if kind == "int":
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"environment variable {name}={raw!r} must be an integer number of bytes"
             ) from None
     return raw
 

@@ -32,7 +32,11 @@ class NonFiniteGradientError(HiPressError, ValueError):
 
 
 class SyncError(HiPressError, RuntimeError):
-    """Synchronization failed: a stalled gradient, a dead rank, or mismatched submissions."""
+    """Synchronization failed: a stalled gradient, a dead rank, a peer that failed.
+
+    Submissions whose arguments disagree across ranks raise
+    :class:`CollectiveArgumentError` instead, and the engine goes on.
+    """
 
 
 class PeerFailure(SyncError):
@@ -45,3 +49,15 @@ class PeerFailure(SyncError):
 
 class StallError(SyncError):
     """A gradient was submitted on some ranks but not on others for longer than the timeout."""
+
+
+class CollectiveArgumentError(HiPressError, ValueError):
+    """A collective's arguments are invalid on some rank or disagree across ranks.
+
+    Raised by the collective's handle on every rank, in the same negotiation round and
+    before any data moves (alltoall splits that do not add up, allgather tensors whose
+    trailing dimensions differ, allreduces of another shape, dtype, op or compression,
+    broadcast tensors of another shape or dtype, grouped allreduces of another size, an
+    integer average refused on one rank); the message names the ranks and the values.
+    The engine keeps running: later collectives are unaffected.
+    """

@@ -40,6 +40,27 @@ Cases (all with float32 parameters):
   the next step is finite and bit-identical on every rank.
 - ``nonfinite_accumulated``: the same inside ``backward_passes_per_step = 2``; the step
   after the overflow holds no NaN.
+
+Horovod's collectives (issue #14), through :meth:`Driver.collective` (the adapter's own
+function of that name on framework tensors):
+
+- ``allgather_rows``: rank r sends r+1 rows (float32 and int32) -> every rank gets the
+  concatenation in rank order; ``allgather_object`` gives every rank's object.
+- ``alltoall_splits``: per-rank splits; received rows and received splits in source-rank
+  order; equal splits by default; splits that do not add up on the last rank raise
+  ``CollectiveArgumentError`` naming that rank on every rank, and the next collective works.
+- ``reducescatter_ops``: sum/average of float32 and min/max of int32 over 2·size+1 rows;
+  each rank gets its block (lower ranks one row more).
+- ``grouped_allreduce_order``: float32, float64 and int64 tensors in one group come back
+  exact and in input order.
+- ``ops_and_int_dtypes``: Min, Max, Product and Sum of int32/int64/uint8 (and bool where
+  the framework has it) are exact; an int average raises TypeError before anything moves.
+- ``join_uneven``: rank r runs r+1 optimizer steps, then ``join()``; every step's gradient
+  is the exact average over the ranks still running; ``join()`` returns size-1 on every
+  rank; a second round with onebit ends too (rank r runs size-r steps, join returns 0).
+- ``host_layout``: ``cross_rank``/``cross_size``/``is_homogeneous`` on one host.
+- ``horovod_args_refused``: ``process_set=``, ``prescale_factor=`` and ``op=Adasum`` raise
+  ``UnsupportedArgumentError`` naming the argument, before anything moves.
 """
 
 from __future__ import annotations
@@ -135,6 +156,40 @@ class Driver:
     def broadcast(self, array: np.ndarray, root: int, name: str) -> np.ndarray:
         """Call the adapter's own ``broadcast`` on a framework tensor made from ``array``."""
         raise NotImplementedError
+
+    #: the adapter module (``hipress.torch``, ...), for :meth:`collective`
+    module: Any = None
+    #: dtypes the framework's tensors have (MXNet NDArrays have no bool)
+    int_dtypes: Sequence[Any] = (np.int32, np.int64, np.uint8, np.bool_)
+
+    def tensor(self, array: np.ndarray) -> Any:
+        """Return a framework tensor of ``array``'s values, shape and dtype."""
+        raise NotImplementedError
+
+    def numpy(self, tensor: Any) -> np.ndarray:
+        """Return a framework tensor's values as a NumPy array."""
+        raise NotImplementedError
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Return ``fn`` as the driver runs it (TF graph mode: inside ``tf.function``)."""
+        return fn
+
+    def collective(self, fn_name: str, *arrays: np.ndarray, group: bool = False,
+                   **kwargs: Any) -> Any:
+        """Call ``module.<fn_name>`` on tensors made from ``arrays``; NumPy results back.
+
+        ``group``: pass the tensors as one list (``grouped_allreduce``). Tuples and lists
+        of tensors come back as lists of arrays.
+        """
+        fn = getattr(self.module, fn_name)
+
+        def call(*ts: Any) -> Any:
+            return fn(list(ts), **kwargs) if group else fn(*ts, **kwargs)
+
+        out = self.wrap(call)(*[self.tensor(a) for a in arrays])
+        if isinstance(out, (list, tuple)):
+            return [self.numpy(o) for o in out]
+        return self.numpy(out)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -517,6 +572,193 @@ def nonfinite_accumulated(d: Driver) -> None:
 
 
 # ----------------------------------------------------------------------------- runner
+@case
+def allgather_rows(d: Driver) -> None:
+    """Rank r sends r+1 rows; every rank gets all rows in rank order (float32, int32)."""
+    rank, size = hipress.rank(), hipress.size()
+    for dt in (np.float32, np.int32):
+        mine = (np.arange((rank + 1) * 3).reshape(rank + 1, 3) + 100 * rank).astype(dt)
+        got = d.collective("allgather", mine, name=f"suite.ag.{d.framework}.{np.dtype(dt)}")
+        want = np.concatenate([(np.arange((r + 1) * 3).reshape(r + 1, 3) + 100 * r).astype(dt)
+                               for r in range(size)])
+        assert got.dtype == np.dtype(dt) and got.shape == want.shape, (got.dtype, got.shape)
+        assert np.array_equal(got, want), (got, want)
+    objs = d.module.allgather_object({"rank": rank, "tag": "x" * rank},
+                                     name=f"suite.ago.{d.framework}")
+    assert objs == [{"rank": r, "tag": "x" * r} for r in range(size)], objs
+
+
+def _splits(rank: int, size: int) -> List[int]:
+    return [(rank + 2 * j) % 3 for j in range(size)]
+
+
+@case
+def alltoall_splits(d: Driver) -> None:
+    """Per-rank splits arrive in source-rank order; bad splits fail on every rank."""
+    from hipress.errors import CollectiveArgumentError
+
+    rank, size = hipress.rank(), hipress.size()
+    sp = _splits(rank, size)
+    rows = np.concatenate([np.full((sp[j], 2), 10 * rank + j, np.float32) for j in range(size)])
+    got, received = d.collective("alltoall", rows, splits=sp,
+                                 name=f"suite.a2a.{d.framework}")
+    want_splits = [_splits(r, size)[rank] for r in range(size)]
+    want = np.concatenate([np.full((want_splits[r], 2), 10 * r + rank, np.float32)
+                           for r in range(size)])
+    assert [int(v) for v in received] == want_splits, (received, want_splits)
+    assert np.array_equal(got, want), (got, want)
+    even = np.arange(2 * size, dtype=np.int64) + 1000 * rank
+    got = d.collective("alltoall", even, name=f"suite.a2a.even.{d.framework}")
+    want = np.concatenate([np.arange(2 * rank, 2 * rank + 2) + 1000 * r for r in range(size)])
+    assert np.array_equal(got, want), (got, want)
+    bad = list(sp)
+    if rank == size - 1:
+        bad[0] += 1  # one row more than the tensor has
+    try:
+        d.collective("alltoall", rows, splits=bad, name=f"suite.a2a.bad.{d.framework}")
+    except Exception as exc:  # noqa: BLE001 - TF graph mode wraps errors from py_function
+        assert isinstance(exc, CollectiveArgumentError) or "CollectiveArgumentError" in str(
+            type(exc)) or "add up" in str(exc), repr(exc)
+        assert f"rank {size - 1}" in str(exc) and "add up" in str(exc), str(exc)
+    else:
+        raise AssertionError("bad splits on one rank did not raise")
+    # the engine goes on
+    again = d.collective("allgather", np.array([rank], np.int64),
+                         name=f"suite.a2a.after.{d.framework}")
+    assert again.tolist() == list(range(size)), again
+
+
+@case
+def reducescatter_ops(d: Driver) -> None:
+    """Each rank gets its block of the reduction; lower ranks get one row more."""
+    rank, size = hipress.rank(), hipress.size()
+    n = 2 * size + 1
+    q, m = divmod(n, size)
+    lo = rank * q + min(rank, m)
+    hi = lo + q + (1 if rank < m else 0)
+    per = [np.arange(n * 2, dtype=np.float32).reshape(n, 2) * (r + 1) for r in range(size)]
+    for op in ("sum", "average"):
+        got = d.collective("reducescatter", per[rank], op=op,
+                           name=f"suite.rs.{op}.{d.framework}")
+        want = sum(per)[lo:hi]
+        if op == "average":
+            want = want / np.float32(size)
+        assert got.shape == (hi - lo, 2) and np.array_equal(got, want), (op, got, want)
+    ints = [(np.arange(n * 2).reshape(n, 2) * (-1) ** r + r).astype(np.int32) for r in range(size)]
+    for op, fn in (("min", np.minimum.reduce), ("max", np.maximum.reduce)):
+        got = d.collective("reducescatter", ints[rank], op=op,
+                           name=f"suite.rs.{op}.{d.framework}")
+        assert got.dtype == np.int32 and np.array_equal(got, fn(ints)[lo:hi]), (op, got)
+
+
+@case
+def grouped_allreduce_order(d: Driver) -> None:
+    """One group of float32, float64 and int64 tensors: exact, in input order."""
+    rank, size = hipress.rank(), hipress.size()
+    arrays = [np.full(5, rank + 1, np.float32), np.arange(3, dtype=np.float64) * rank,
+              np.array([rank, 7], np.int64)]
+    got = d.collective("grouped_allreduce", *arrays, group=True, op="sum",
+                       name=f"suite.group.{d.framework}")
+    want = [sum(np.full(5, r + 1, np.float32) for r in range(size)),
+            sum(np.arange(3, dtype=np.float64) * r for r in range(size)),
+            sum(np.array([r, 7], np.int64) for r in range(size))]
+    assert len(got) == 3
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w), (g, w)
+
+
+@case
+def ops_and_int_dtypes(d: Driver) -> None:
+    """Min/Max/Product/Sum of integer tensors are exact; an int average is refused."""
+    rank, size = hipress.rank(), hipress.size()
+    for dt in d.int_dtypes:
+        vals = [np.array([r + 1, 3 - r, r % 2, 2], dtype=np.int64) for r in range(size)]
+        per = [v.astype(dt) for v in vals]
+        for op, fn in (("sum", np.sum), ("min", np.min), ("max", np.max),
+                       ("product", np.prod)):
+            got = d.collective("allreduce", per[rank], op=op,
+                               name=f"suite.ops.{d.framework}.{np.dtype(dt)}.{op}")
+            want = fn(np.stack(vals), axis=0).astype(dt)  # integer arithmetic wraps
+            assert got.dtype == np.dtype(dt), (dt, op, got.dtype)
+            assert np.array_equal(got, want), (dt, op, got, want)
+    # compression="none" (Horovod's Compression.none) is no codec: integers are fine
+    got = d.collective("allreduce", np.array([rank, 1], np.int32), op="sum",
+                       compression="none", name=f"suite.ops.none.{d.framework}")
+    assert got.tolist() == [size * (size - 1) // 2, size], got
+    try:
+        d.collective("allreduce", np.ones(3, np.int32), op="average",
+                     name=f"suite.ops.intavg.{d.framework}")
+    except Exception as exc:  # noqa: BLE001 - TF graph mode wraps errors from py_function
+        assert "integer average" in str(exc), str(exc)
+    else:
+        raise AssertionError("an int32 average did not raise")
+    x = np.array([1.5, -2.0, 4.0], np.float32) * (rank + 1)
+    got = d.collective("allreduce", x, op="max", name=f"suite.ops.fmax.{d.framework}")
+    assert np.array_equal(got, np.max([x / (rank + 1) * (r + 1) for r in range(size)], 0))
+
+
+@case
+def join_uneven(d: Driver) -> None:
+    """Rank r runs r+1 steps then joins: averages count the running ranks only."""
+    rank, size = hipress.rank(), hipress.size()
+    shapes = {"w": (3, 2), "b": (4,)}
+    tr = d.build("suite.join", _zeros(shapes), compression="none")
+    for step in range(rank + 1):
+        per_rank = [_int_grads(300 + 10 * step + r, shapes) for r in range(size)]
+        tr.step([per_rank[rank]])
+        running = [r for r in range(size) if r >= step]
+        got = tr.grads()
+        for k in shapes:
+            want = sum(per_rank[r][k] for r in running) / np.float32(len(running))
+            assert np.array_equal(got[k], want), (step, k, got[k], want)
+    assert d.module.join() == size - 1
+    tr.close()
+    shapes = {"w": (16, 8), "b": (64,)}  # large enough for onebit to shrink
+    tr = d.build("suite.join1", _zeros(shapes), compression="onebit")
+    grads = {}
+    for step in range(size - rank):
+        tr.step([_int_grads(400 + 10 * step + rank, shapes)])
+        grads[f"s{step}"] = np.concatenate([tr.grads()[k].reshape(-1) for k in shapes])
+        assert all(np.isfinite(g).all() for g in grads.values())
+    assert d.module.join() == 0
+    # step s ran on ranks 0 .. size-1-s; rank 0 ran every step
+    root = hipress.broadcast_object(grads if rank == 0 else None, 0,
+                                    name=f"suite.join.{d.framework}")
+    for k, v in grads.items():
+        assert np.array_equal(v, root[k]), (k, v, root[k])
+    tr.close()
+
+
+@case
+def horovod_args_refused(d: Driver) -> None:
+    """Horovod arguments HiPress lacks fail at once, naming the argument; Adasum too."""
+    from hipress.adapter_common import UnsupportedArgumentError
+
+    x = np.ones(4, np.float32)
+    calls = [("broadcast", dict(root_rank=0, process_set=1), "process_set"),
+             ("allgather", dict(process_set=1), "process_set"),
+             ("alltoall", dict(process_set=1), "process_set"),
+             ("reducescatter", dict(prescale_factor=2.0), "prescale_factor"),
+             ("allreduce", dict(op="adasum"), "Adasum"),
+             ("allreduce", dict(process_set=1), "process_set")]
+    for fn, kwargs, word in calls:
+        try:
+            getattr(d.module, fn)(d.tensor(x), **kwargs)
+        except UnsupportedArgumentError as exc:
+            assert word in str(exc) and "not supported" in str(exc), (fn, str(exc))
+        else:
+            raise AssertionError(f"{fn}({kwargs}) did not raise")
+
+
+@case
+def host_layout(d: Driver) -> None:
+    """One host: cross_rank 0, cross_size 1, homogeneous; local ranks are the ranks."""
+    assert d.module.cross_rank() == 0 and d.module.cross_size() == 1
+    assert d.module.is_homogeneous() is True
+    assert d.module.local_size() == hipress.size()
+    assert d.module.local_rank() == hipress.rank()
+
+
 def run_cases(
     names: Sequence[str],
     drivers: Mapping[str, Driver],

@@ -17,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -122,6 +123,47 @@ def run_mpi(
         start_new_session=True,  # own process group: a timeout kills mpirun and every rank
     )
     try:
+        return _finish(proc, cmd, timeout)
+    finally:
+        if tmp is not None:
+            os.unlink(tmp.name)
+
+
+def run_torchrun(
+    nproc: int,
+    script: Union[str, os.PathLike],
+    args: Sequence[str] = (),
+    timeout: float = 120.0,
+    env: Optional[Mapping[str, str]] = None,
+) -> subprocess.CompletedProcess:
+    """Run ``python script args`` on ``nproc`` processes under ``torchrun`` (localhost).
+
+    No MPI launcher variables reach the workers, so HiPress's ``transport: auto`` picks
+    the torch transport. Each worker line comes whole, prefixed ``[default<rank>]:``.
+    Like :func:`run_mpi`, a job past ``timeout`` is killed whole.
+
+    Raises:
+        subprocess.TimeoutExpired: the job ran past ``timeout`` (killed first).
+    """
+    pytest.importorskip("torch")
+    full_env = {k: v for k, v in os.environ.items()
+                if not k.startswith(("OMPI_", "PMI", "PMIX_", "SLURM_"))}
+    full_env.update({k: v for k, v in MPI_ENV.items() if not k.startswith("OMPI_")})
+    full_env.update(env or {})
+    pythonpath = [str(REPO_ROOT)] + [p for p in full_env.get("PYTHONPATH", "").split(":") if p]
+    full_env["PYTHONPATH"] = ":".join(pythonpath)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(int(nproc)),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "--monitor-interval", "0.1", "--tee", "3",  # whole lines, "[default<r>]:" first
+           str(script)] + [str(a) for a in args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=full_env, cwd=str(REPO_ROOT), start_new_session=True)
+    return _finish(proc, cmd, timeout)
+
+
+def _finish(proc: subprocess.Popen, cmd: list, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for a launched job; past ``timeout`` kill it whole and raise TimeoutExpired."""
+    try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
@@ -131,8 +173,6 @@ def run_mpi(
         if proc.poll() is None:
             _kill_group(proc)
             proc.communicate()
-        if tmp is not None:
-            os.unlink(tmp.name)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
@@ -184,3 +224,23 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 def rank_lines(output: str, prefix: str) -> list:
     """Return the lines of ``output`` that start with ``prefix`` (e.g. ``"PASS "``)."""
     return [line for line in output.splitlines() if line.startswith(prefix)]
+
+
+def check_case(proc: subprocess.CompletedProcess, np_: int, case: str) -> str:
+    """Fail the calling test unless ``case`` printed ``PASS <case> rank <r>`` on every rank.
+
+    Workers built on ``tests/behaviour_suite.run_cases`` print those lines (and ``FAIL``
+    plus the traceback); the failure message shows the FAIL blocks, else the job's output.
+
+    Returns:
+        The job's stdout.
+    """
+    out = proc.stdout
+    passed = rank_lines(out, f"PASS {case} rank ")
+    if len(passed) != np_:
+        fails = re.findall(rf"^FAIL {re.escape(case)} rank \d+\n(?:.*\n)*?(?=^(?:PASS|FAIL) |\Z)",
+                           out, flags=re.M)
+        detail = "\n".join(fails) or f"stdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+        pytest.fail(f"case {case} at {np_} ranks passed on {len(passed)} rank(s)\n{detail}",
+                    pytrace=False)
+    return out

@@ -326,7 +326,7 @@ def test_to_yaml_round_trip(tmp_path):
     assert config_from_dict(cfg.to_dict()) == cfg
     assert HiPressConfig.from_yaml(_write(tmp_path, text, "b.yaml")) == cfg
     assert list(yaml.safe_load(text)) == ["job", "cluster", "compression", "sync", "timeline",
-                                          "logging"]
+                                          "logging", "transport"]
 
 
 def test_dump_effective():
@@ -383,3 +383,13 @@ def test_digits_torch_job():
     assert cfg.compression.rules[0].pattern == "*.bias"
     assert cfg.compression.rules[0].algorithm == "none"
     assert cfg.compression.min_compress_bytes > 0
+
+
+def test_fusion_threshold_and_cycle_time_from_the_environment():
+    cfg = load_config(env={"HIPRESS_FUSION_THRESHOLD": "1048576", "HIPRESS_CYCLE_TIME": "2.5"})
+    assert cfg.sync.fusion_threshold_bytes == 1 << 20
+    assert cfg.sync.cycle_time_ms == 2.5
+    with pytest.raises(ConfigError, match="HIPRESS_FUSION_THRESHOLD='64MB' must be an integer"):
+        load_config(env={"HIPRESS_FUSION_THRESHOLD": "64MB"})
+    with pytest.raises(ConfigError, match="number of milliseconds"):
+        load_config(env={"HIPRESS_CYCLE_TIME": "fast"})

@@ -26,6 +26,9 @@ CORE_CASES = [
     "low_precision_dtypes",
     "world1_passthrough",
     "inplace_matches_new_array",
+    "negotiation_allgather_sizes",
+    "allreduce_mismatch_fails_every_rank_and_engine_goes_on",
+    "broadcast_mismatch_fails_every_rank",
 ]
 
 
@@ -135,3 +138,10 @@ def test_same_numel_different_shape_fails_negotiation_on_every_rank():
 
 def test_small_tag_space_never_reuses_a_tag_in_flight():
     run_cases(2, ["many_in_flight_small_tag_space"], timeout=180, env={"TAG_BITS": "14"})
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_grouped_allreduce_of_different_sizes_fails_every_rank_and_leaves_nothing(np_):
+    # STALL=5: a name some rank grouped and another did not, if left waiting, ends the job
+    run_cases(np_, ["grouped_allreduce_count_mismatch_fails_every_rank"], timeout=120,
+              env={"STALL": "5"})

@@ -168,3 +168,12 @@ def test_stall_watch_warns_every_interval_and_turns_fatal_past_the_limit():
     assert _StallWatch(60.0, 2.0).check(2.5) == "fatal"
     never = _StallWatch(1.0, float("inf"))
     assert [never.check(t) for t in (5.0, 5.5, 6.1, 1e6)] == ["warn", None, "warn", "warn"]
+
+
+@pytest.mark.parametrize("tag_ub,bits", [(32767, 15), (32768, 15), (65534, 15), (65535, 16),
+                                         (2**31 - 1, 31)])
+def test_tag_bits_use_the_whole_mpi_tag_range(tag_ub, bits):
+    from hipress.comm import tag_bits_for
+
+    assert tag_bits_for(tag_ub) == bits
+    assert 2**bits - 1 <= tag_ub < 2**(bits + 1) - 1

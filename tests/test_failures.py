@@ -128,15 +128,16 @@ def test_failed_job_leaves_a_trace_up_to_the_failure(tmp_path):
 
 
 def test_hung_rank_warns_then_ends_after_stall_shutdown():
-    env = {"STALL_WARNING": "1", "STALL_SHUTDOWN": "3"}
+    # 6 s, not less: on a loaded CI machine a healthy, CPU-starved peer can take seconds
+    env = {"STALL_WARNING": "2", "STALL_SHUTDOWN": "6"}
     proc, end = _hipressrun(3, "stop", extra_env=env)
     elapsed = end - _failed_at(proc.stdout)
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
     warnings = [line for line in proc.stderr.splitlines()
-                if "has not completed for 1 s: a rank is hung" in line]
-    assert {line[:3] for line in warnings} == {"[0]", "[2]"}, proc.stderr[-3000:]
+                if "has not completed for 2 s: a rank is hung" in line]
+    assert {line[:3] for line in warnings} >= {"[0]", "[2]"}, proc.stderr[-3000:]
     assert "StallError: negotiation round" in _last_line(proc.stderr), proc.stderr[-2000:]
-    assert elapsed < 3.0 + BOUND_S, elapsed  # the stopped rank is killed too
+    assert elapsed < 6.0 + BOUND_S, elapsed  # the stopped rank is killed too
 
 
 def test_slow_rank_only_warns_by_default():

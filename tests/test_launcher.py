@@ -681,6 +681,7 @@ def test_real_run_logs_the_effective_config_in_one_line(tmp_path):
         lines
     assert "gradients: dgc (DistributedOptimizer)" in summary[0], summary
     assert "policy: none" in summary[0]
+    assert summary[0].endswith("| transport MPI"), summary[0]
     assert not any("effective" in line for line in lines), lines
 
 

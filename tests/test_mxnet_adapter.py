@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mpi_util import rank_lines, run_mpi
+from mpi_util import check_case, rank_lines, run_mpi
 
 mx = pytest.importorskip("mxnet", reason="MXNet is not importable in this interpreter; it "
                          "lives in its own virtualenv (make venv-mxnet; make test-mxnet)")
@@ -30,13 +30,17 @@ SUITE = ["identity_exact", "sum_op", "unused_zero_filled", "accumulation", "chec
 #: behaviour-suite cases of "correct by default" (tests/behaviour_suite.py), all adapters
 SUITE_13 = ["direct_collectives_exact", "explicit_codec_every_tensor",
             "warns_when_nothing_compressed", "nonfinite_passthrough", "nonfinite_accumulated"]
+#: behaviour-suite cases of Horovod's collectives (tests/behaviour_suite.py), all adapters
+SUITE_14 = ["allgather_rows", "alltoall_splits", "reducescatter_ops", "grouped_allreduce_order",
+            "ops_and_int_dtypes", "join_uneven", "host_layout", "horovod_args_refused"]
 JOBS = {
+    1: [f"{c}@gluon" for c in SUITE_14],
     2: [f"{c}@gluon" for c in SUITE]
     + ["rescale_once", "manual_allreduce_update", "broadcast_deferred", "collectives",
-       "errors", "gluon_trains"] + [f"{c}@gluon" for c in SUITE_13],
+       "errors", "gluon_trains"] + [f"{c}@gluon" for c in SUITE_13 + SUITE_14],
     3: ["identity_exact@gluon", "unused_zero_filled@gluon", "accumulation@gluon",
         "checkpoint@gluon", "rescale_once", "broadcast_deferred"]
-    + [f"{c}@gluon" for c in SUITE_13],
+    + [f"{c}@gluon" for c in SUITE_13 + SUITE_14],
 }
 
 _results: dict = {}
@@ -50,15 +54,7 @@ def _job(np_: int):
 
 def _check(np_: int, case: str) -> str:
     proc = _job(np_)
-    out = proc.stdout
-    passed = rank_lines(out, f"PASS {case} rank ")
-    if len(passed) != np_:
-        fails = re.findall(rf"^FAIL {re.escape(case)} rank \d+\n(?:.*\n)*?(?=^(?:PASS|FAIL) |\Z)",
-                           out, flags=re.M)
-        detail = "\n".join(fails) or f"stdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-        pytest.fail(f"case {case} at {np_} ranks passed on {len(passed)} rank(s)\n{detail}",
-                    pytrace=False)
-    return out
+    return check_case(proc, np_, case)
 
 
 pytestmark = pytest.mark.mpi

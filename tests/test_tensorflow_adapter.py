@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mpi_util import rank_lines, run_mpi
+from mpi_util import check_case, rank_lines, run_mpi
 
 tf = pytest.importorskip("tensorflow", reason="TensorFlow is not installed in this interpreter "
                          "(pip install -e '.[tensorflow]')")
@@ -27,16 +27,21 @@ SUITE_2 = ["identity_exact", "sum_op", "unused_zero_filled", "accumulation", "ch
 #: behaviour-suite cases of "correct by default" (tests/behaviour_suite.py), all adapters
 SUITE_13 = ["direct_collectives_exact", "explicit_codec_every_tensor",
             "warns_when_nothing_compressed", "nonfinite_passthrough", "nonfinite_accumulated"]
+#: behaviour-suite cases of Horovod's collectives (tests/behaviour_suite.py), all adapters
+SUITE_14 = ["allgather_rows", "alltoall_splits", "reducescatter_ops", "grouped_allreduce_order",
+            "ops_and_int_dtypes", "join_uneven", "host_layout", "horovod_args_refused"]
 JOBS = {
+    1: [f"{c}@graph" for c in SUITE_14],
     2: [f"{c}@graph" for c in SUITE_2]
     + ["identity_exact@eager", "unused_zero_filled@eager", "accumulation@eager",
        "checkpoint@eager", "tape_none_and_structure", "tape_unnamed_variables",
        "indexed_slices", "indexed_slices_accumulated", "model_fit", "collectives", "errors"]
     + [f"{c}@graph" for c in SUITE_13] + ["direct_collectives_exact@eager",
-                                          "nonfinite_passthrough@eager"],
+                                          "nonfinite_passthrough@eager"]
+    + [f"{c}@{m}" for c in SUITE_14 for m in ("graph", "eager")],
     3: ["identity_exact@graph", "identity_exact@eager", "unused_zero_filled@graph",
         "accumulation@graph", "checkpoint@graph", "tape_none_and_structure", "indexed_slices"]
-    + [f"{c}@graph" for c in SUITE_13],
+    + [f"{c}@graph" for c in SUITE_13 + SUITE_14],
 }
 
 _results: dict = {}
@@ -51,15 +56,7 @@ def _job(np_: int):
 
 def _check(np_: int, case: str) -> str:
     proc = _job(np_)
-    out = proc.stdout
-    passed = rank_lines(out, f"PASS {case} rank ")
-    if len(passed) != np_:
-        fails = re.findall(rf"^FAIL {re.escape(case)} rank \d+\n(?:.*\n)*?(?=^(?:PASS|FAIL) |\Z)",
-                           out, flags=re.M)
-        detail = "\n".join(fails) or f"stdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-        pytest.fail(f"case {case} at {np_} ranks passed on {len(passed)} rank(s)\n{detail}",
-                    pytrace=False)
-    return out
+    return check_case(proc, np_, case)
 
 
 pytestmark = pytest.mark.mpi

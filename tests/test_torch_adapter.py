@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mpi_util import free_port, rank_lines, run_mpi
+from mpi_util import check_case, free_port, rank_lines, run_mpi
 
 torch = pytest.importorskip("torch")
 
@@ -21,15 +21,22 @@ WORKER = Path(__file__).parent / "workers" / "torch_adapter.py"
 #: behaviour-suite cases of "correct by default" (tests/behaviour_suite.py), all adapters
 SUITE_13 = ["direct_collectives_exact", "explicit_codec_every_tensor",
             "warns_when_nothing_compressed", "nonfinite_passthrough", "nonfinite_accumulated"]
+#: behaviour-suite cases of Horovod's collectives (tests/behaviour_suite.py), all adapters
+SUITE_14 = ["allgather_rows", "alltoall_splits", "reducescatter_ops", "grouped_allreduce_order",
+            "ops_and_int_dtypes", "join_uneven", "host_layout", "horovod_args_refused"]
 JOBS = {
+    1: [f"{c}@torch" for c in SUITE_14],
     2: [
         "identity_exact", "unused_parameter", "backward_passes", "bfloat16_cpu",
         "names_checked", "sparse_embedding", "checkpoint", "broadcast_state",
         "loss_falls_every_codec", "ddp_hook", "gradscaler_overflow",
         "ddp_powersgd_per_parameter", "ddp_rules_on_parameter_names",
-    ] + [f"{c}@torch" for c in SUITE_13],
+        "differentiable_collectives", "inplace_and_async_collectives",
+    ] + [f"{c}@torch" for c in SUITE_13 + SUITE_14],
     3: ["identity_exact", "bfloat16_cpu", "sparse_embedding", "gradscaler_overflow",
-        "ddp_powersgd_per_parameter"] + [f"{c}@torch" for c in SUITE_13],
+        "ddp_powersgd_per_parameter", "differentiable_collectives",
+        "inplace_and_async_collectives"]
+    + [f"{c}@torch" for c in SUITE_13 + SUITE_14],
 }
 
 _results: dict = {}
@@ -44,15 +51,7 @@ def _job(np_: int):
 
 def _check(np_: int, case: str) -> str:
     proc = _job(np_)
-    out = proc.stdout
-    passed = rank_lines(out, f"PASS {case} rank ")
-    if len(passed) != np_:
-        fails = re.findall(rf"^FAIL {re.escape(case)} rank \d+\n(?:.*\n)*?(?=^(?:PASS|FAIL) |\Z)",
-                           out, flags=re.M)
-        detail = "\n".join(fails) or f"stdout:\n{out[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
-        pytest.fail(f"case {case} at {np_} ranks passed on {len(passed)} rank(s)\n{detail}",
-                    pytrace=False)
-    return out
+    return check_case(proc, np_, case)
 
 
 pytestmark = pytest.mark.mpi
@@ -126,6 +125,22 @@ def test_ddp_hook_rules_match_parameter_names():
 @pytest.mark.parametrize("case", SUITE_13)
 @pytest.mark.parametrize("np_", [2, 3])
 def test_correct_by_default(np_, case):
+    _check(np_, f"{case}@torch")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_allreduce_and_allgather_are_differentiable(np_):
+    _check(np_, "differentiable_collectives")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_inplace_and_async_collectives(np_):
+    _check(np_, "inplace_and_async_collectives")
+
+
+@pytest.mark.parametrize("case", SUITE_14)
+@pytest.mark.parametrize("np_", [1, 2, 3])
+def test_horovod_collectives(np_, case):
     _check(np_, f"{case}@torch")
 
 

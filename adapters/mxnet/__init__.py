@@ -15,27 +15,39 @@ virtualenv (``make venv-mxnet``).
 Contents:
     init, shutdown, is_initialized, rank, size, local_rank, local_size, barrier:
         process control.
-    allreduce, allreduce_, broadcast, broadcast_, broadcast_object, broadcast_parameters:
-        NDArray collectives.
+    allreduce, allreduce_, grouped_allreduce, grouped_allreduce_, allgather,
+    allgather_object, alltoall, reducescatter, broadcast, broadcast_, broadcast_object,
+    broadcast_parameters, join: NDArray collectives (Horovod's names).
+    cross_rank, cross_size, is_homogeneous: the host layout.
     DistributedTrainer: a Gluon ``Trainer`` (:mod:`hipress.mxnet.trainer`).
-    Average, Sum: reduction ops.
+    Average, Sum, Min, Max, Product: reduction ops.
 """
 
-from hipress.adapter_common import Average, Sum
+from hipress.adapter_common import Average, Max, Min, Product, Sum
 
 from .functions import (
+    allgather,
+    allgather_object,
     allreduce,
     allreduce_,
+    alltoall,
     barrier,
     broadcast,
     broadcast_,
     broadcast_object,
     broadcast_parameters,
+    cross_rank,
+    cross_size,
+    grouped_allreduce,
+    grouped_allreduce_,
     init,
+    is_homogeneous,
     is_initialized,
+    join,
     local_rank,
     local_size,
     rank,
+    reducescatter,
     shutdown,
     size,
 )
@@ -44,19 +56,37 @@ from .trainer import DistributedTrainer
 __all__ = [
     "Average",
     "DistributedTrainer",
+    "Max",
+    "Min",
+    "Product",
     "Sum",
+    "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_",
+    "alltoall",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_object",
     "broadcast_parameters",
+    "cross_rank",
+    "cross_size",
+    "grouped_allreduce",
+    "grouped_allreduce_",
     "init",
+    "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "rank",
+    "reducescatter",
     "shutdown",
     "size",
 ]
+
+# Horovod porting aids: hp.Compression.fp16, op=hp.Adasum (refused with a clear error)
+from hipress.adapter_common import Adasum, Compression  # noqa: E402
+
+__all__ += ["Adasum", "Compression"]

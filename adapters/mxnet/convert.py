@@ -46,7 +46,7 @@ def is_gpu(nd: mx.nd.NDArray) -> bool:
     return nd.context.device_type == "gpu"
 
 
-def to_array(nd: mx.nd.NDArray) -> Any:
+def to_array(nd: mx.nd.NDArray, any_dtype: bool = False) -> Any:
     """Return a NumPy (CPU) or CuPy (GPU) array sharing ``nd``'s memory (read-only on CPU).
 
     Waits for pending writes to ``nd`` first (the gradient of a backward pass in flight).
@@ -54,6 +54,7 @@ def to_array(nd: mx.nd.NDArray) -> Any:
     Args:
         nd: a dense float16/float32/float64 NDArray; a ``row_sparse``/``csr`` array is
             densified first (a copy).
+        any_dtype: accept integer dtypes too (uncompressed collectives; the core checks).
 
     Returns:
         ``numpy.ndarray`` (read-only view) or ``cupy.ndarray``.
@@ -63,7 +64,8 @@ def to_array(nd: mx.nd.NDArray) -> Any:
     """
     if nd.stype != "default":
         nd = nd.tostype("default")
-    check_dtype(nd)
+    if not any_dtype:
+        check_dtype(nd)
     capsule = nd.to_dlpack_for_read()
     if is_gpu(nd):
         import cupy

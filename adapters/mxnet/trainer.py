@@ -62,10 +62,13 @@ import hipress
 from hipress.adapter_common import (
     Average,
     PassAccumulator,
+    check_horovod_args,
+    check_horovod_op,
     check_op,
     check_unique_names,
     decode_state,
     encode_state,
+    predivide_scales,
     resolve_codec,
 )
 from hipress.errors import HiPressError
@@ -88,17 +91,27 @@ class DistributedTrainer(mx.gluon.Trainer):
             ``momentum``, ``wd``, ``rescale_grad``, ...).
         compression: None to follow the config policy, a codec name (``"none"``,
             ``"onebit"``, ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``,
-            ``"powersgd"``, ...), a ``.hpc`` CompLL spec, or a Codec instance. An explicit
-            codec is used for every tensor, whatever its size and the step; only None
-            (or ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
+            ``"powersgd"``, ...) or ``hp.Compression.<name>`` (``hp.Compression.none``
+            is exact, not the policy), a ``.hpc`` CompLL spec, or a Codec instance. An
+            explicit codec is used for every tensor, whatever its size and the step;
+            only None (or ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
             DGC's default memory applies momentum correction: use an optimizer without
             momentum.
         backward_passes_per_step: ``step`` calls summed locally per update (>= 1).
         op: ``hp.Average`` (default) or ``hp.Sum`` across ranks.
-        **codec_params: constructor parameters of the named codec.
+        gradient_predivide_factor: Horovod's ``f`` in ``[1, world size]``: gradients are
+            divided by ``f`` before the sum and the sum by ``size / f`` after it, so the
+            result is still the average and ``rescale_grad`` still applies once (1, the
+            default: no extra scaling). Needs ``op=hp.Average``.
+        **codec_params: constructor parameters of the named codec. Horovod arguments
+            HiPress does not implement (``process_set``, ``num_groups``, ``groups``,
+            ``sparse_as_dense``) raise ``UnsupportedArgumentError``.
 
     Raises:
         ValueError: duplicate parameter names (listed), ``backward_passes_per_step < 1``.
+        ConfigError: ``gradient_predivide_factor`` outside ``[1, size]`` or with ``hp.Sum``.
+        UnsupportedArgumentError: a Horovod argument HiPress does not implement, or
+            ``op=hp.Adasum``; the message names it and the alternative.
         TypeError: a parameter with sparse gradients (``sparse_grad=True``).
         CodecError: unknown codec name (valid names listed) or bad parameters.
         HiPressError: :func:`hipress.init` was not called.
@@ -112,8 +125,11 @@ class DistributedTrainer(mx.gluon.Trainer):
         compression: Any = None,
         backward_passes_per_step: int = 1,
         op: str = Average,
+        gradient_predivide_factor: float = 1.0,
         **codec_params: Any,
     ) -> None:
+        check_horovod_args(codec_params, "DistributedTrainer")
+        check_horovod_op(op, "DistributedTrainer")
         if not hipress.is_initialized():
             raise HiPressError("hipress is not initialized; call hipress.mxnet.init() first")
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
@@ -127,6 +143,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._hp_codec = resolve_codec(compression, codec_params, gradients=True)
         hipress.api.note_compression("DistributedTrainer", self._hp_codec)
         self._hp_op = check_op(op)
+        predivide_scales(gradient_predivide_factor, self._hp_op, hipress.size())  # validates
+        self._hp_predivide = gradient_predivide_factor
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
@@ -162,7 +180,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         names = tuple(p.name for p in params)
         acc = self._hp_accumulators.get(names)
         if acc is None:
-            acc = PassAccumulator(names, self._hp_op, self._hp_codec, self._hp_k)
+            acc = PassAccumulator(names, self._hp_op, self._hp_codec, self._hp_k,
+                                  gradient_predivide_factor=self._hp_predivide)
             self._hp_accumulators[names] = acc
         arrays: Dict[str, Any] = {}
         for p in params:

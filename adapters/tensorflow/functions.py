@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, List, Optional, Sequence
 
 import tensorflow as tf
 
 import hipress
-from hipress.adapter_common import Average, check_op, resolve_codec, unique_names
+from hipress.adapter_common import (
+    Average,
+    check_op,
+    refuses_horovod_args,
+    resolve_codec,
+    unique_names,
+)
 from hipress.api import (  # noqa: F401  (process control is framework-neutral: re-exported)
     barrier,
+    cross_rank,
+    cross_size,
     init,
+    is_homogeneous,
     is_initialized,
     local_rank,
     local_size,
@@ -52,12 +61,15 @@ def allreduce(
     Works eagerly and inside ``tf.function`` (through ``tf.py_function``).
 
     Args:
-        tensor: a dense float16/bfloat16/float32/float64 tensor (an ``IndexedSlices`` is
-            densified).
+        tensor: a dense tensor (an ``IndexedSlices`` is densified): float16/bfloat16/
+            float32/float64 with any op; integer and bool dtypes uncompressed with
+            ``hp.Sum``, ``hp.Min``, ``hp.Max`` or ``hp.Product`` (an integer average would
+            truncate and is refused).
         name: unique among in-flight submissions, identical on every rank. Default: a
             counter (``allreduce.noname.<n>``), correct when every rank calls in one order
             (inside ``tf.function`` the name is fixed when the function is traced).
-        op: ``hp.Average`` or ``hp.Sum``.
+        op: ``hp.Average``, ``hp.Sum``, ``hp.Min``, ``hp.Max`` or ``hp.Product`` (the last
+            three uncompressed).
         compression: None (default): exact, no codec (metrics, losses, counts);
             a codec name or Codec instance: that codec whatever the size; ``"auto"``:
             the job's compression policy, as for gradients in the optimizer.
@@ -87,6 +99,119 @@ def allreduce(
     return out
 
 
+def _bridge(run: Callable[..., Any], inputs: List[tf.Tensor], tout: Any, op_name: str,
+            shapes: Sequence[Any]) -> Any:
+    """Run ``run`` eagerly, or inside ``tf.function`` through one ``tf.py_function``."""
+    if tf.executing_eagerly():
+        return run(*inputs)
+    out = tf.py_function(run, inputs, Tout=tout, name=op_name)
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    for o, shape in zip(outs, shapes):
+        o.set_shape(shape)
+    return out
+
+
+def grouped_allreduce(tensors: Sequence[Any], name: Optional[str] = None, op: str = Average,
+                      compression: Any = None, **codec_params: Any) -> List[tf.Tensor]:
+    """Allreduce several tensors in one negotiation; return new tensors in input order.
+
+    They are named ``<name>.<i>`` and become ready together on every rank; arguments as
+    :func:`allreduce`. Eager or inside ``tf.function`` (one ``tf.py_function``).
+    """
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    base = name or _auto_name("grouped_allreduce")
+    op = check_op(op)
+    codec = resolve_codec(compression, codec_params)
+
+    def run(*ts: tf.Tensor) -> List[tf.Tensor]:
+        res = hipress.grouped_allreduce([to_array(t) for t in ts],
+                                        [f"{base}.{i}" for i in range(len(ts))],
+                                        op=op, codec=codec)
+        return [from_array(r, t.dtype) for r, t in zip(res, ts)]
+
+    return list(_bridge(run, tensors, [t.dtype for t in tensors], "hipress_grouped_allreduce",
+                        [t.shape for t in tensors]))
+
+
+@refuses_horovod_args
+def allgather(tensor: Any, name: Optional[str] = None) -> tf.Tensor:
+    """Return every rank's ``tensor`` concatenated along dimension 0, in rank order.
+
+    The first dimension may differ across ranks; the others and the dtype must not (else
+    every rank raises :class:`hipress.errors.CollectiveArgumentError`). Eager or inside
+    ``tf.function`` (the first dimension of the result is then unknown).
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    name = name or _auto_name("allgather")
+
+    def run(t: tf.Tensor) -> tf.Tensor:
+        return from_array(hipress.allgather(to_array(t), name), t.dtype)
+
+    return _bridge(run, [tensor], tensor.dtype, "hipress_allgather",
+                   [[None] + tensor.shape.as_list()[1:]])
+
+
+@refuses_horovod_args
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order (eager only)."""
+    return hipress.allgather_object(obj, name or _auto_name("allgather_object"))
+
+
+@refuses_horovod_args
+def alltoall(tensor: Any, splits: Any = None, name: Optional[str] = None) -> Any:
+    """Send ``splits[j]`` rows of ``tensor`` to rank j; return the rows sent here.
+
+    ``splits``: rows per destination rank (a list or an integer tensor of ``size()``
+    entries adding up to ``shape[0]``), None for equal parts. Returns the rows received,
+    concatenated in source-rank order, and with ``splits`` given (as Horovod) also an
+    int32 tensor of the rows received from each rank. Invalid splits on any rank raise
+    :class:`hipress.errors.CollectiveArgumentError` on every rank before data moves.
+    Eager or inside ``tf.function``.
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    name = name or _auto_name("alltoall")
+    given = splits is not None
+    sp = tf.cast(tf.convert_to_tensor(splits if given else [0]), tf.int64)
+
+    def run(t: tf.Tensor, s: tf.Tensor) -> List[tf.Tensor]:
+        out, received = hipress.alltoall(to_array(t), name,
+                                         [int(v) for v in s.numpy()] if given else None)
+        return [from_array(out, t.dtype), tf.constant(received, tf.int32)]
+
+    out, received = _bridge(run, [tensor, sp], [tensor.dtype, tf.int32], "hipress_alltoall",
+                            [[None] + tensor.shape.as_list()[1:], [None]])
+    return (out, received) if given else out
+
+
+@refuses_horovod_args
+def reducescatter(tensor: Any, name: Optional[str] = None, op: str = Average) -> tf.Tensor:
+    """Reduce ``tensor`` over ranks; return this rank's block of rows.
+
+    Lower ranks get the extra rows, as Horovod. Exact; ops and dtypes as
+    :func:`allreduce` uncompressed. Eager or inside ``tf.function``.
+    """
+    tensor = tf.convert_to_tensor(tensor)
+    name = name or _auto_name("reducescatter")
+    op = check_op(op)
+
+    def run(t: tf.Tensor) -> tf.Tensor:
+        return from_array(hipress.reducescatter(to_array(t), name, op=op), t.dtype)
+
+    return _bridge(run, [tensor], tensor.dtype, "hipress_reducescatter",
+                   [[None] + tensor.shape.as_list()[1:]])
+
+
+@refuses_horovod_args
+def join() -> int:
+    """Say this rank has run out of data; return the rank that joined last (eager only).
+
+    Until every rank has joined, this rank adds zeros to the others' average/sum
+    allreduces (the optimizer's gradients included) and is not counted in averages.
+    """
+    return hipress.join()
+
+
+@refuses_horovod_args
 def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank, as a new tensor (eager or graph)."""
     tensor = tf.convert_to_tensor(tensor)
@@ -102,6 +227,7 @@ def broadcast(tensor: Any, root_rank: int, name: Optional[str] = None) -> tf.Ten
     return out
 
 
+@refuses_horovod_args
 def broadcast_object(obj: Any, root_rank: int = 0, name: str = "") -> Any:
     """Return ``root_rank``'s ``obj`` on every rank (small picklable objects; eager only)."""
     return hipress.broadcast_object(obj, root=root_rank, name=name)

@@ -35,7 +35,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hipress.adapter_common import Average
+from hipress.adapter_common import Average, check_horovod_args, check_horovod_op
 from hipress.errors import HiPressError
 
 from .reducer import GradientReducer
@@ -82,6 +82,7 @@ def DistributedGradientTape(  # noqa: N802  (Horovod's spelling: it returns a ta
     compression: Any = None,
     op: str = Average,
     sparse_as_dense: bool = True,
+    gradient_predivide_factor: float = 1.0,
     **codec_params: Any,
 ) -> tf.GradientTape:
     """Wrap ``tape`` so that ``gradient()`` returns gradients synchronized across ranks.
@@ -90,23 +91,35 @@ def DistributedGradientTape(  # noqa: N802  (Horovod's spelling: it returns a ta
         tape: a ``tf.GradientTape`` (usually right after its ``with`` block).
         compression: None to follow the config policy (``compression.algorithm``, rules,
             ``min_compress_bytes``, warm-up), a codec name (``"none"``, ``"onebit"``,
-            ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``, ``"powersgd"``, ...), a
-            ``.hpc`` CompLL spec, or a :class:`hipress.codecs.Codec`. An explicit codec is
-            used for every tensor, whatever its size and the step; only None (or
+            ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``, ``"powersgd"``, ...) or
+            ``hp.Compression.<name>`` (``hp.Compression.none`` is exact, not the policy),
+            a ``.hpc`` CompLL spec, or a :class:`hipress.codecs.Codec`. An explicit codec
+            is used for every tensor, whatever its size and the step; only None (or
             ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
         op: ``hp.Average`` (default) or ``hp.Sum``.
         sparse_as_dense: densify ``IndexedSlices`` gradients (default) or raise.
-        **codec_params: constructor parameters of the named codec.
+        gradient_predivide_factor: Horovod's ``f`` in ``[1, world size]``: gradients are
+            divided by ``f`` before the sum and the sum by ``size / f`` after it (the
+            result is still the average). Needs ``op=hp.Average``.
+        **codec_params: constructor parameters of the named codec. Horovod arguments
+            HiPress does not implement (``process_set``, ``num_groups``, ...) raise
+            ``UnsupportedArgumentError``.
 
     Returns:
         An instance of a subclass of ``type(tape)`` sharing the tape's state.
 
     Raises:
         TypeError: ``tape`` is not a ``tf.GradientTape``.
+        ConfigError: ``gradient_predivide_factor`` outside ``[1, size]`` or with ``hp.Sum``.
+        UnsupportedArgumentError: a Horovod argument HiPress does not implement, or
+            ``op=hp.Adasum``; the message names it and the alternative.
         CodecError: unknown codec name (valid names listed) or bad parameters.
         HiPressError: :func:`hipress.init` was not called.
     """
     import hipress
+
+    check_horovod_args(codec_params, "DistributedGradientTape")
+    check_horovod_op(op, "DistributedGradientTape")
 
     if not isinstance(tape, tf.GradientTape):
         raise TypeError(f"expect a tf.GradientTape, got {type(tape)}")
@@ -119,5 +132,6 @@ def DistributedGradientTape(  # noqa: N802  (Horovod's spelling: it returns a ta
     dist = cls.__new__(cls)
     dist.__dict__.update(tape.__dict__)
     dist._hp_reducer = GradientReducer(compression, op, 1, sparse_as_dense, codec_params,
-                                        source="DistributedGradientTape")
+                                        source="DistributedGradientTape",
+                                        gradient_predivide_factor=gradient_predivide_factor)
     return dist

@@ -48,7 +48,13 @@ from typing import Any, Optional
 import tensorflow as tf
 
 import hipress
-from hipress.adapter_common import Average, decode_state, encode_state
+from hipress.adapter_common import (
+    Average,
+    check_horovod_args,
+    check_horovod_op,
+    decode_state,
+    encode_state,
+)
 from hipress.errors import HiPressError
 
 from .reducer import GradientReducer
@@ -139,6 +145,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
     backward_passes_per_step: int = 1,
     op: str = Average,
     sparse_as_dense: bool = True,
+    gradient_predivide_factor: float = 1.0,
     **codec_params: Any,
 ) -> Any:
     """Wrap a Keras 3 optimizer so its gradients are synchronized across ranks by HiPress.
@@ -151,15 +158,22 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
         optimizer: an unbuilt ``keras.optimizers.Optimizer`` (SGD, Adam, ...).
         compression: None to follow the config policy, a codec name (``"none"``,
             ``"onebit"``, ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``,
-            ``"powersgd"``, ...), a ``.hpc`` CompLL spec, or a Codec instance. An explicit
-            codec is used for every tensor, whatever its size and the step; only None
-            (or ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
+            ``"powersgd"``, ...) or ``hp.Compression.<name>`` (``hp.Compression.none``
+            is exact, not the policy), a ``.hpc`` CompLL spec, or a Codec instance. An
+            explicit codec is used for every tensor, whatever its size and the step;
+            only None (or ``"auto"``) applies ``min_compress_bytes``, rules and warm-up.
             DGC's default memory applies momentum correction: give it an optimizer
             without momentum.
         backward_passes_per_step: ``apply`` calls summed locally per update (>= 1).
         op: ``hp.Average`` (default) or ``hp.Sum`` across ranks.
         sparse_as_dense: densify ``IndexedSlices`` gradients (default) or raise.
-        **codec_params: constructor parameters of the named codec.
+        gradient_predivide_factor: Horovod's ``f`` in ``[1, world size]``: gradients are
+            divided by ``f`` before the sum and the sum by ``size / f`` after it, so the
+            result is still the average (1, the default: no extra scaling). Needs
+            ``op=hp.Average``.
+        **codec_params: constructor parameters of the named codec. Horovod arguments
+            HiPress does not implement (``process_set``, ``num_groups``, ``groups``,
+            ``device_dense``, ...) raise ``UnsupportedArgumentError``.
 
     Returns:
         The distributed optimizer.
@@ -168,10 +182,16 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
         TypeError: not a Keras optimizer.
         ValueError: the optimizer is already built or already distributed, or
             ``backward_passes_per_step < 1``.
+        ConfigError: ``gradient_predivide_factor`` outside ``[1, size]`` or with ``hp.Sum``.
+        UnsupportedArgumentError: a Horovod argument HiPress does not implement, or
+            ``op=hp.Adasum``; the message names it and the alternative.
         CodecError: unknown codec name (valid names listed) or bad parameters.
         HiPressError: :func:`hipress.init` was not called.
     """
     import keras
+
+    check_horovod_args(codec_params, "DistributedOptimizer")
+    check_horovod_op(op, "DistributedOptimizer")
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
@@ -193,7 +213,8 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
             "average over passes; use DistributedOptimizer(backward_passes_per_step=...) instead"
         )
     reducer = GradientReducer(compression, op, backward_passes_per_step, sparse_as_dense,
-                              codec_params)
+                              codec_params,
+                              gradient_predivide_factor=gradient_predivide_factor)
     base = type(optimizer)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     dist = cls.from_config(optimizer.get_config())

@@ -31,7 +31,9 @@ import hipress
 from hipress.adapter_common import (
     Average,
     PassAccumulator,
+    check_horovod_op,
     check_op,
+    predivide_scales,
     resolve_codec,
     unique_names,
 )
@@ -53,9 +55,13 @@ class GradientReducer:
         codec_params: constructor parameters of the named codec.
         prefix: first component of positional names when variable names are not unique.
         source: the API using the reducer, for the startup config line.
+        gradient_predivide_factor: Horovod's ``f`` in ``[1, world size]`` (see
+            :func:`hipress.adapter_common.predivide_scales`).
 
     Raises:
         ValueError: bad op or ``backward_passes_per_step``.
+        ConfigError: a bad ``gradient_predivide_factor``.
+        UnsupportedArgumentError: ``op=Adasum``.
         CodecError: unknown codec or bad parameters.
     """
 
@@ -68,10 +74,14 @@ class GradientReducer:
         codec_params: Optional[Dict[str, Any]] = None,
         prefix: str = "grad",
         source: str = "DistributedOptimizer",
+        gradient_predivide_factor: float = 1.0,
     ) -> None:
+        check_horovod_op(op, source)
         self.codec = resolve_codec(compression, codec_params, gradients=True)
         hipress.api.note_compression(source, self.codec)
         self.op = check_op(op)
+        predivide_scales(gradient_predivide_factor, self.op, hipress.size())  # validates
+        self.gradient_predivide_factor = gradient_predivide_factor
         k = backward_passes_per_step
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {k!r}")
@@ -89,7 +99,8 @@ class GradientReducer:
         key = tuple(names)
         acc = self._accumulators.get(key)
         if acc is None:
-            acc = PassAccumulator(key, self.op, self.codec, self.backward_passes_per_step)
+            acc = PassAccumulator(key, self.op, self.codec, self.backward_passes_per_step,
+                                  gradient_predivide_factor=self.gradient_predivide_factor)
             self._accumulators[key] = acc
         return acc
 

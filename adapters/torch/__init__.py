@@ -15,34 +15,55 @@ the core zero-copy (NumPy for CPU tensors, CuPy via DLPack for CUDA tensors) and
 Contents:
     init, shutdown, is_initialized, rank, size, local_rank, local_size, barrier:
         process control (:mod:`hipress.torch.functions`).
-    allreduce, allreduce_async, synchronize, poll, broadcast, broadcast_,
-    broadcast_object, broadcast_parameters, broadcast_optimizer_state: tensor
-        collectives.
+    allreduce, allreduce_, allreduce_async, allreduce_async_, grouped_allreduce(_)(_async),
+    allgather, allgather_async, allgather_object, alltoall, alltoall_async,
+    reducescatter, reducescatter_async, broadcast, broadcast_, broadcast_async,
+    broadcast_async_, broadcast_object, synchronize, poll, join: collectives, Horovod's
+        names and signatures; allreduce and allgather are differentiable.
+    broadcast_parameters, broadcast_optimizer_state: model and optimizer initialization.
+    cross_rank, cross_size, is_homogeneous: the host layout.
     DistributedOptimizer: wraps a torch optimizer (:mod:`hipress.torch.optimizer`).
     ddp_comm_hook, make_ddp_hook, DDPHookState: DistributedDataParallel communication
         hook (:mod:`hipress.torch.ddp`).
-    Average, Sum: reduction ops.
+    Average, Sum, Min, Max, Product: reduction ops.
 """
 
-from hipress.adapter_common import Average, BackwardPassError, Sum
+from hipress.adapter_common import Average, BackwardPassError, Max, Min, Product, Sum
+from hipress.api import cross_rank, cross_size, is_homogeneous
 
 from .ddp import DDPHookState, ddp_comm_hook, make_ddp_hook
 from .functions import (
     Handle,
+    allgather,
+    allgather_async,
+    allgather_object,
     allreduce,
+    allreduce_,
     allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
+    broadcast_async,
+    broadcast_async_,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
     init,
     is_initialized,
+    join,
     local_rank,
     local_size,
     poll,
     rank,
+    reducescatter,
+    reducescatter_async,
     shutdown,
     size,
     synchronize,
@@ -55,24 +76,53 @@ __all__ = [
     "DDPHookState",
     "DistributedOptimizer",
     "Handle",
+    "Max",
+    "Min",
+    "Product",
     "Sum",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
     "allreduce",
+    "allreduce_",
     "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "cross_rank",
+    "cross_size",
     "ddp_comm_hook",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
     "init",
+    "is_homogeneous",
     "is_initialized",
+    "join",
     "local_rank",
     "local_size",
     "make_ddp_hook",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "shutdown",
     "size",
     "synchronize",
 ]
+
+# Horovod porting aids: hp.Compression.fp16, op=hp.Adasum (refused with a clear error)
+from hipress.adapter_common import Adasum, Compression  # noqa: E402
+
+from .sync_batch_norm import SyncBatchNorm  # noqa: E402
+
+__all__ += ["Adasum", "Compression", "SyncBatchNorm"]

@@ -31,6 +31,11 @@ sums are averaged across ranks (Horovod's rule): passes 1, 3 on rank 0 and 5, 7 
 give (4 + 12) / 2 = 8. A pass beyond ``backward_passes_per_step`` before ``step()``
 raises :class:`hipress.adapter_common.BackwardPassError`.
 
+Horovod's ``gradient_predivide_factor`` and ``step(closure)`` work as in Horovod (see
+:func:`DistributedOptimizer` and :meth:`_DistributedOptimizer.step`); Horovod arguments
+HiPress does not implement (``process_set``, ``num_groups``, ``groups``, ``op=Adasum``)
+raise :class:`hipress.adapter_common.UnsupportedArgumentError` naming them.
+
 Sparse gradients (``nn.Embedding(sparse=True)``) are densified before synchronization
 (``coalesce().to_dense()``), and ``p.grad`` becomes the dense synchronized gradient;
 optimizers that accept dense gradients (SGD, Adam, ...) work unchanged.
@@ -52,7 +57,11 @@ import torch
 import hipress
 from hipress.adapter_common import (
     Average,
+    BackwardPassError,
     GradientSynchronizer,
+    UnsupportedArgumentError,
+    check_horovod_args,
+    check_horovod_op,
     check_unique_names,
     default_gradient_name,
     pack_state,
@@ -88,6 +97,7 @@ class _DistributedOptimizer:
         backward_passes_per_step: int,
         op: str,
         codec_params: Dict[str, Any],
+        gradient_predivide_factor: float = 1.0,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
@@ -126,6 +136,7 @@ class _DistributedOptimizer:
             codec=resolve_codec(compression, codec_params, gradients=True),
             backward_passes_per_step=backward_passes_per_step,
             inplace=True,  # results land in p.grad itself: no result tensor, no copy
+            gradient_predivide_factor=gradient_predivide_factor,
         )
         hipress.api.note_compression("DistributedOptimizer", self._hp_sync.codec)
         self._hp_synchronized = False
@@ -191,23 +202,33 @@ class _DistributedOptimizer:
         """Synchronize the gradients (unless done already), update, count the step.
 
         Args:
-            closure: not supported (it would run backward passes inside the step);
-                compute the loss and call ``backward()`` before ``step()``.
+            closure: optional, as for any torch optimizer (Horovod passes it through too):
+                a function that re-evaluates the model and returns the loss, usually
+                ``opt.zero_grad(); loss = f(model(x)); loss.backward(); return loss``.
+                The wrapped optimizer calls it (SGD, Adam: once; LBFGS: several times);
+                after each call that computed gradients (its ``backward()`` submits them
+                through the hooks, like any backward pass) the gradients are synchronized
+                before the optimizer reads them, so every evaluation sees the cross-rank
+                average. A closure may run up to ``backward_passes_per_step`` backward
+                passes (they are summed, as usual). Gradients of a ``backward()`` made
+                before ``step(closure)`` are synchronized first, as without a closure.
+                The loss returned is this rank's own; optimizers that take decisions from
+                it (LBFGS's line search and stopping tests) need the same loss on every
+                rank, so return ``hp.allreduce(loss.detach())`` from such a closure,
+                otherwise the ranks may evaluate it a different number of times and stall.
 
         Returns:
-            What the wrapped optimizer's ``step`` returns.
+            What the wrapped optimizer's ``step`` returns (the closure's loss, if any).
 
         Raises:
-            ValueError: a closure was given.
+            BackwardPassError: the closure ran more than ``backward_passes_per_step``
+                backward passes (the message says so).
             HiPressError: synchronization failed.
         """
-        if closure is not None:
-            raise ValueError(
-                "DistributedOptimizer.step() does not take a closure: a closure re-runs "
-                "backward inside step(), which would submit the gradients again. Call "
-                "loss.backward() and then step()"
-            )
-        if self._hp_should_synchronize and not self._hp_synchronized:
+        # with a closure and no backward() before step(), the closure computes this step's
+        # gradients: they are synchronized after it (synchronizing now would send zeros)
+        before = closure is None or self._hp_sync.in_progress
+        if before and self._hp_should_synchronize and not self._hp_synchronized:
             self.synchronize()
         elif self._hp_sync.in_progress:
             logger.warning(
@@ -215,9 +236,37 @@ class _DistributedOptimizer:
                 "submitted but not synchronized; call synchronize() first"
             )
         self._hp_synchronized = False
-        loss = super().step()
+        try:
+            if closure is None:
+                loss = super().step()
+            else:
+                loss = super().step(self._hp_wrap_closure(closure))
+        finally:
+            self._hp_synchronized = False
         hipress.step()
         return loss
+
+    def _hp_wrap_closure(self, closure: Any) -> Any:
+        """Return ``closure`` followed by a synchronization of the gradients it computed."""
+        k = self._hp_sync.backward_passes_per_step
+
+        def synchronized_closure() -> Any:
+            try:
+                loss = closure()
+            except BackwardPassError as exc:
+                self._hp_sync.reset()
+                raise BackwardPassError(
+                    f"the closure given to DistributedOptimizer.step() ran more backward "
+                    f"passes than backward_passes_per_step={k}: {exc}. Each evaluation of the "
+                    f"closure may run at most {k} backward pass(es) (their gradients are "
+                    "summed, then averaged across ranks). Run fewer passes per evaluation or "
+                    "raise backward_passes_per_step"
+                ) from exc
+            if self._hp_sync.in_progress:
+                self.synchronize()
+            return loss
+
+        return synchronized_closure
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; refused while a step's gradients are being synchronized.
@@ -285,6 +334,7 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
     compression: Any = None,
     backward_passes_per_step: int = 1,
     op: str = Average,
+    gradient_predivide_factor: float = 1.0,
     **codec_params: Any,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so its gradients are synchronized across ranks by HiPress.
@@ -300,8 +350,9 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
         compression: None to follow the config policy (``compression.algorithm``, per-layer
             rules, ``min_compress_bytes``, warm-up), a codec name (``"none"``, ``"onebit"``,
             ``"tbq"``, ``"terngrad"``, ``"dgc"``, ``"graddrop"``, ``"powersgd"``, ``"fp16"``,
-            ``"topk"``, ... see :func:`hipress.codecs.codec_names`), a ``.hpc`` CompLL spec,
-            or a :class:`hipress.codecs.Codec` instance.
+            ``"topk"``, ... see :func:`hipress.codecs.codec_names`) or its Horovod-style
+            spelling ``hp.Compression.<name>`` (``hp.Compression.none`` is exact, not the
+            policy), a ``.hpc`` CompLL spec, or a :class:`hipress.codecs.Codec` instance.
             An explicit codec (name or instance) is used for every tensor, whatever its
             size and the step; only None (or ``"auto"``) applies ``min_compress_bytes``,
             rules and warm-up. The error-feedback memory follows ``compression.memory``,
@@ -310,7 +361,13 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
             without momentum (as in the DGC paper).
         backward_passes_per_step: backward passes summed locally per ``step()`` (>= 1).
         op: ``hp.Average`` (default) or ``hp.Sum`` across ranks.
+        gradient_predivide_factor: Horovod's ``f`` in ``[1, world size]``: gradients are
+            divided by ``f`` before the sum and the sum by ``size / f`` after it, so the
+            result is still the average (1, the default: no extra scaling at all).
+            Needs ``op=hp.Average``.
         **codec_params: constructor parameters of the named codec (e.g. ``ratio=0.01``).
+            ``sparse_as_dense=True`` (Horovod) is accepted and changes nothing: sparse
+            gradients are always densified.
 
     Returns:
         The distributed optimizer.
@@ -318,11 +375,26 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
     Raises:
         ValueError: duplicate parameter names (listed), parameters missing from
             ``named_parameters``, or ``backward_passes_per_step < 1``.
+        ConfigError: ``gradient_predivide_factor`` outside ``[1, size]``, or not 1 with
+            ``op=hp.Sum``.
+        UnsupportedArgumentError: a Horovod argument HiPress does not implement
+            (``process_set``, ``num_groups``, ``groups``, ``sparse_as_dense=False``,
+            ``op=hp.Adasum``); the message names it and the alternative.
         CodecError: unknown codec name (valid names listed) or bad codec parameters.
         HiPressError: :func:`hipress.init` was not called.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expect a torch.optim.Optimizer, got {type(optimizer)}")
+    if "sparse_as_dense" in codec_params:
+        if codec_params["sparse_as_dense"] is not True:
+            raise UnsupportedArgumentError(
+                f"DistributedOptimizer(sparse_as_dense={codec_params['sparse_as_dense']!r}): "
+                "sparse (allgathered) gradients are not supported by HiPress; the PyTorch "
+                "adapter always densifies sparse gradients. Drop the argument (or pass True)"
+            )
+        codec_params = {k: v for k, v in codec_params.items() if k != "sparse_as_dense"}
+    check_horovod_args(codec_params, "DistributedOptimizer")
+    check_horovod_op(op, "DistributedOptimizer")
     if not hipress.is_initialized():
         raise HiPressError(
             "hipress is not initialized; call hipress.torch.init() before building the "
@@ -334,5 +406,6 @@ def DistributedOptimizer(  # noqa: N802  (Horovod's spelling: it returns an opti
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
-    dist._hp_setup(named_parameters, compression, backward_passes_per_step, op, codec_params)
+    dist._hp_setup(named_parameters, compression, backward_passes_per_step, op, codec_params,
+                   gradient_predivide_factor)
     return dist

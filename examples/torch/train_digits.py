@@ -14,6 +14,11 @@ none)::
     mpirun -np 4 python examples/torch/train_digits.py --compression onebit
     mpirun -np 4 python examples/torch/train_digits.py --compression dgc --param ratio=0.01
 
+or under ``torchrun`` (HiPress then runs over torch.distributed's gloo), here as a
+``DistributedDataParallel`` model whose gradients HiPress's comm hook carries::
+
+    torchrun --nproc-per-node 4 examples/torch/train_digits.py --ddp --compression powersgd
+
 Rank 0 shows a progress bar and prints one line per epoch::
 
     epoch 3/5 loss 0.1234 test_acc 97.50%
@@ -44,7 +49,11 @@ from models import DigitsCNN  # noqa: E402
 
 
 def parse_args(argv=None):
-    return argument_parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    parser = argument_parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--ddp", action="store_true",
+                        help="wrap the model in DistributedDataParallel with HiPress's comm "
+                             "hook instead of hipress.torch.DistributedOptimizer")
+    return parser.parse_args(argv)
 
 
 def to_tensors(x: np.ndarray, y: np.ndarray):
@@ -97,10 +106,22 @@ def main(argv=None) -> float:
     (x_tr, y_tr), (x_te, y_te) = to_tensors(x_tr, y_tr), to_tensors(x_te, y_te)
     torch.manual_seed(args.seed)
     model = DigitsCNN()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    hp.broadcast_parameters(model.state_dict(), root_rank=0)
-    hp.broadcast_optimizer_state(opt, root_rank=0)
+    if args.ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")  # env:// (torchrun, or hipressrun's exports)
+        ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters
+        ddp.register_comm_hook(hp.DDPHookState(ddp), hp.make_ddp_hook())
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+        forward = ddp
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+        opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        hp.broadcast_parameters(model.state_dict(), root_rank=0)
+        hp.broadcast_optimizer_state(opt, root_rank=0)
+        forward = model
 
     progress = None
     if rank == 0 and not args.no_progress:
@@ -127,7 +148,7 @@ def main(argv=None) -> float:
         loss_sum = 0.0
         for b in it:
             opt.zero_grad()
-            loss = F.cross_entropy(model(x_tr[b]), y_tr[b])
+            loss = F.cross_entropy(forward(x_tr[b]), y_tr[b])
             loss.backward()
             opt.step()
             loss_sum += loss.item() * len(b)

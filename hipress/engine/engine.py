@@ -35,7 +35,9 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 import numpy as np
 
 from hipress.backend import (
+    CODE_DTYPES,
     array_module,
+    check_collective_dtype,
     check_gradient_dtype,
     compute_dtype,
     dtype_code,
@@ -45,7 +47,13 @@ from hipress.codecs import Codec, get_codec
 from hipress.config import summarize_effective
 from hipress.engine import tasks as T
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
-from hipress.errors import HiPressError, PeerFailure, StallError, SyncError
+from hipress.errors import (
+    CollectiveArgumentError,
+    HiPressError,
+    PeerFailure,
+    StallError,
+    SyncError,
+)
 from hipress.memory import Memory, get_memory
 from hipress.secopa.runtime import PlanFollower
 from hipress.timeline import Timeline, write_trace
@@ -53,6 +61,15 @@ from hipress.timeline import Timeline, write_trace
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ps", "ring", "allreduce", "gather")
+#: reduction ops of allreduce and reducescatter; codecs apply to the first two only
+OPS = ("average", "sum", "min", "max", "product")
+#: collectives other than allreduce and broadcast (whose argument checks differ); argument
+#: errors of every kind fail the handle on every rank (CollectiveArgumentError), and the
+#: engine goes on
+_DATA_KINDS = ("allgather", "alltoall", "reducescatter")
+#: negotiation metadata of one submission, after its name (see _make_message)
+_META_KEYS = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions",
+              "shape", "finite", "extra", "filler")
 #: the ``codec`` argument that applies the job's compression policy (what the optimizer
 #: wrappers, DDP hooks and trainers pass); ``None`` means exact, a name means that codec
 POLICY = "auto"
@@ -105,10 +122,18 @@ class Handle:
 
 
 class _Submission:
-    __slots__ = ("name", "array", "average", "codec", "codec_key", "strategy", "contributes",
-                 "handle", "kind", "root", "seq", "partitions", "inplace")
+    """One queued operation; ``metas`` is every rank's negotiation entry once ready."""
+
+    __slots__ = ("name", "array", "average", "op", "codec", "codec_key", "strategy",
+                 "contributes", "handle", "kind", "root", "seq", "partitions", "inplace",
+                 "extra", "dtype_ok", "filler", "metas", "divisor")
 
     def __init__(self, **kw: Any) -> None:
+        self.extra: Any = None
+        self.dtype_ok = True
+        self.filler = False
+        self.metas: List[list] = []
+        self.divisor = 0
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -169,9 +194,13 @@ class Engine:
         self._round = 0
         self._task_id = 0
         self._pending_local: Dict[str, _Submission] = {}
+        # join (see join/_joined_fill): this rank's pending join, and the round in which
+        # each rank was first seen joined (to name the last one)
+        self._join_handle: Optional[Handle] = None
+        self._join_round: Dict[int, int] = {}
         self._outbox: List[list] = []
         self._poke = threading.Event()  # wakes the engine thread: new work or a finished step
-        self._sched = Scheduler(world.data, world.mpi, config.sync.compute_threads,
+        self._sched = Scheduler(world.tx, config.sync.compute_threads,
                                 config.sync.stall_limit_s, on_compute_done=self._poke.set)
         # tags: a task id in the high bits, _SUB_BITS for the messages of one task; ids
         # still held by running tasks are never handed out again (see _launch)
@@ -200,19 +229,62 @@ class Engine:
                strategy: Optional[str] = None, contributes: bool = True,
                inplace: bool = False) -> Handle:
         """Queue an allreduce of ``array`` under ``name``; see :func:`hipress.allreduce_async`."""
+        sub, handle = self._allreduce_sub(array, name, op, codec, strategy, contributes,
+                                          inplace)
+        if sub is not None:
+            self._enqueue(sub)
+        return handle
+
+    def submit_group(self, arrays: List[Any], names: List[str], op: str = "average",
+                     codec: Any = None, inplace: bool = False) -> List[Handle]:
+        """Queue allreduces in one negotiation round (:func:`hipress.grouped_allreduce_async`).
+
+        Raises:
+            ValueError: ``arrays`` and ``names`` differ in length, or a name repeats.
+        """
+        if len(arrays) != len(names):
+            raise ValueError(f"grouped allreduce got {len(arrays)} tensors but {len(names)} "
+                             "names; pass one name per tensor")
+        if len(set(names)) != len(names):
+            raise ValueError(f"grouped allreduce names must be unique, got {names}")
+        made = [self._allreduce_sub(a, n, op, codec, None, True, inplace)
+                for a, n in zip(arrays, names)]
+        subs = [sub for sub, _ in made if sub is not None]
+        for sub in subs:  # ranks that group different tensors disagree (_process_round)
+            sub.extra = {"group": len(names), "gid": names[0]}
+        if subs:
+            self._enqueue(*subs)
+        return [handle for _, handle in made]
+
+    def _allreduce_sub(self, array: Any, name: str, op: str, codec: Any,
+                       strategy: Optional[str], contributes: bool,
+                       inplace: bool) -> Tuple[Optional[_Submission], Handle]:
+        """Validate an allreduce and build its submission (None at world size 1: done)."""
         self._check_alive()
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"gradient name must be a non-empty string, got {name!r}")
-        if op not in ("average", "sum"):
-            raise ValueError(f"op must be 'average' or 'sum', got {op!r}")
+        _check_name_op(name, op, "gradient")
         if strategy is not None and strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
-        check_gradient_dtype(array.dtype, f"gradient {name!r}")
+        if (isinstance(codec, str) and codec == "none") or (
+                isinstance(codec, Codec) and codec.name == "none"):
+            codec = None  # the identity codec is no codec: exact, any collective dtype
+        if codec is None:
+            dt = check_collective_dtype(array.dtype, f"tensor {name!r}")
+            try:
+                _check_op_dtype(op, dt, name)
+            except TypeError as exc:
+                self._refuse(array, name, op, str(exc))
+                raise
+        else:
+            if op not in ("average", "sum"):
+                raise ValueError(
+                    f"op={op!r} runs uncompressed only (codecs compress sums); pass "
+                    f"codec=None for {name!r}, or use op='sum'/'average'")
+            check_gradient_dtype(array.dtype, f"gradient {name!r}")
         inplace = bool(inplace) and _writable_contiguous(array)
         if codec is not None:
             self._announce()
         if self.size == 1:
-            return self._local(array, name, codec, inplace)
+            return None, self._local(array, name, codec, inplace)
         cobj, key, why = self._resolve_codec(name, array, codec)
         strategy = strategy or self.cfg.sync.strategy
         parts = None
@@ -223,12 +295,31 @@ class Engine:
             elif not compress:
                 parts = None
         self._account(array, codec, cobj, key, why)
-        sub = _Submission(name=name, array=array, average=(op == "average"), codec=cobj,
+        sub = _Submission(name=name, array=array, average=(op == "average"), op=op, codec=cobj,
                           codec_key=key, strategy=strategy,
                           contributes=bool(contributes), handle=Handle(name), kind="allreduce",
                           root=-1, seq=0, partitions=parts, inplace=inplace)
+        return sub, sub.handle
+
+    def _refuse(self, array: Any, name: str, op: str, error: str) -> None:
+        """Tell the other ranks that this rank refused the allreduce ``name`` (``error``).
+
+        The caller raises at once; the other ranks may have submitted a valid tensor under
+        the name (another dtype), so a stand-in submission carrying the error travels in
+        negotiation and fails their handles with
+        :class:`~hipress.errors.CollectiveArgumentError` instead of leaving them waiting.
+        """
+        if self.size == 1:
+            return
+        with self._lock:
+            if name in self._inflight:
+                return  # the duplicate-name error is the caller's to see
+        sub = _Submission(name=name, array=array, average=False, op=op, codec=None,
+                          codec_key="none", strategy=None, contributes=True,
+                          handle=Handle(name), kind="allreduce", root=-1, seq=0,
+                          partitions=None, inplace=False)
+        sub.extra = {"error": error}
         self._enqueue(sub)
-        return sub.handle
 
     def _local(self, array: Any, name: str, codec: Any, inplace: bool) -> Handle:
         """World size 1: nothing travels, so the result is the input, exactly.
@@ -252,8 +343,14 @@ class Engine:
         handle._finish(array if inplace else array_module(array).array(array, copy=True))
         return handle
 
-    def broadcast(self, array: Any, root: int, name: str) -> Handle:
-        """Queue a broadcast of root's ``array`` (bytes on non-roots may be anything)."""
+    def broadcast(self, array: Any, root: int, name: str, check: bool = False) -> Handle:
+        """Queue a broadcast of root's ``array`` (bytes on non-roots may be anything).
+
+        ``check``: every rank's ``array`` is a tensor the result goes into, so ranks must
+        agree on its shape and dtype; when they do not, every rank's handle fails with
+        :class:`~hipress.errors.CollectiveArgumentError` (as Horovod refuses mismatched
+        broadcasts). False for byte payloads whose size only the root knows (objects).
+        """
         self._check_alive()
         if not 0 <= root < self.size:
             raise ValueError(f"root rank {root} is outside [0, {self.size})")
@@ -261,11 +358,94 @@ class Engine:
             handle = Handle(name)
             handle._finish(np.ascontiguousarray(to_host(array)).view(np.uint8).reshape(-1))
             return handle
-        sub = _Submission(name=name, array=array, average=False, codec=None, codec_key="bcast",
+        sub = _Submission(name=name, array=array, average=False, op="sum", codec=None,
+                          codec_key="bcast",
                           strategy="bcast", contributes=True, handle=Handle(name),
                           kind="broadcast", root=root, seq=0, partitions=None, inplace=False)
+        if check:
+            sub.extra = {"shape": [int(d) for d in array.shape], "dtype": str(array.dtype)}
         self._enqueue(sub)
         return sub.handle
+
+    def collective(self, kind: str, array: Any, name: str, op: str = "sum",
+                   splits: Optional[List[int]] = None) -> Handle:
+        """Queue an allgather, alltoall or reducescatter (uncompressed, exact).
+
+        Args:
+            kind: "allgather", "alltoall" or "reducescatter".
+            array: NumPy or CuPy array with at least one dimension, of a dtype in
+                :data:`hipress.backend.COLLECTIVE_DTYPES`.
+            name: identical on every rank, unique among outstanding operations.
+            op: reducescatter's reduction (:data:`OPS`).
+            splits: alltoall only: rows of ``array`` for each rank (None: equal parts).
+
+        Returns:
+            A handle whose result is ``(array, rows)`` for allgather and alltoall (rows
+            received from each rank, in rank order) and the array for reducescatter.
+
+        Arguments that are wrong on one rank (splits that do not add up, trailing
+        dimensions that differ across ranks, ...) fail the handle on every rank with a
+        :class:`~hipress.errors.CollectiveArgumentError` in the same round, before any
+        data moves; an op/dtype pair that can never work raises here at once.
+        """
+        self._check_alive()
+        if kind not in _DATA_KINDS:
+            raise ValueError(f"kind must be one of {_DATA_KINDS}, got {kind!r}")
+        _check_name_op(name, op, "collective")
+        shape = [int(d) for d in getattr(array, "shape", ())]
+        try:
+            dt = check_collective_dtype(array.dtype, f"{kind} tensor {name!r}")
+            if kind == "reducescatter":
+                _check_op_dtype(op, dt, name)
+            error = None
+        except TypeError as exc:
+            dt, error = None, str(exc)
+        if error is None and not shape:
+            error = (f"{kind} needs an array with at least one dimension (it works along "
+                     "dimension 0); reshape a scalar to (1,)")
+        extra: Any = None
+        if kind == "alltoall" and error is None:
+            extra = _check_splits(splits, shape[0], self.size)
+            if isinstance(extra, str):
+                extra, error = None, extra
+        if self.size == 1:
+            if error is not None:
+                raise CollectiveArgumentError(f"{kind} {name!r} on rank 0: {error}")
+            handle = Handle(name)
+            out = array_module(array).array(array, copy=True)
+            handle._finish(out if kind == "reducescatter" else (out, [shape[0]]))
+            return handle
+        if error is not None:
+            extra = {"error": error}
+        sub = _Submission(name=name, array=array, average=(op == "average"), op=op, codec=None,
+                          codec_key="none", strategy=kind, contributes=True,
+                          handle=Handle(name), kind=kind, root=-1, seq=0, partitions=None,
+                          inplace=False, extra=extra, dtype_ok=dt is not None)
+        self._enqueue(sub)
+        return sub.handle
+
+    def join(self) -> Handle:
+        """Say this rank has no more data; see :func:`hipress.join`.
+
+        Returns:
+            A handle whose result is the rank that joined last (of ranks that joined in
+            the same negotiation round, the highest), the same on every rank.
+
+        Raises:
+            ValueError: this rank's previous ``join`` has not completed.
+        """
+        self._check_alive()
+        handle = Handle("__join__")
+        if self.size == 1:
+            handle._finish(0)
+            return handle
+        with self._lock:
+            if self._join_handle is not None:
+                raise ValueError("join() was called again before the previous join completed")
+            self._join_handle = handle
+        self._wake.set()
+        self._poke.set()
+        return handle
 
     def step(self) -> None:
         """Count a finished training step (warm-up steps run uncompressed).
@@ -311,8 +491,10 @@ class Engine:
             return
         self._announced = True
         if self.rank == 0:
-            logger.info("%s", summarize_effective(self.cfg, self.size, self.world.local_size,
-                                                  self._code_compression))
+            tx = getattr(self.world.tx, "name", "mpi")
+            logger.info("%s | transport %s", summarize_effective(
+                self.cfg, self.size, self.world.local_size, self._code_compression),
+                "torch.distributed (gloo)" if tx == "torch" else "MPI")
 
     def shutdown(self) -> bool:
         """Finish in-flight work, say goodbye to every rank, stop the thread.
@@ -326,7 +508,7 @@ class Engine:
         Returns:
             True when the goodbye was clean: every rank shut down with nothing pending (or
             every rank failed in the same negotiation round with nothing in flight: a
-            stall past ``stall_shutdown_s``, mismatched submissions), so the communicators
+            stall past ``stall_shutdown_s``, a peer's error), so the communicators
             may be freed and MPI finalized. False otherwise: the caller must not free or
             finalize (ranks still waiting would hang on it).
         """
@@ -578,8 +760,10 @@ class Engine:
         codec = sub.codec
         if sub.kind == "broadcast":
             return "broadcast"
+        if sub.kind in _DATA_KINDS:
+            return sub.kind
         if codec is None:
-            return "fused"
+            return "fused" if sub.op in ("average", "sum") else "reduce"
         forced = sub.strategy if sub.strategy in STRATEGIES else None
         if not codec.mergeable or codec.variable_size:
             path = "allreduce" if codec.summable and not codec.variable_size else "gather"
@@ -611,17 +795,21 @@ class Engine:
         if self._shutdown.is_set():
             raise SyncError("HiPress is shut down; call hipress.init() first")
 
-    def _enqueue(self, sub: _Submission) -> None:
+    def _enqueue(self, *subs: _Submission) -> None:
+        """Queue submissions together: they travel in the same negotiation message."""
         with self._lock:
-            if sub.name in self._inflight:
-                raise ValueError(
-                    f"gradient name {sub.name!r} is already in flight; names must be unique "
-                    "among outstanding operations (synchronize the earlier handle first)"
-                )
-            self._seq += 1
-            sub.seq = self._seq
-            self._inflight[sub.name] = sub
-            self._queue.append(sub)
+            for sub in subs:
+                if sub.name in self._inflight:
+                    raise ValueError(
+                        f"gradient name {sub.name!r} is already in flight; names must be "
+                        "unique among outstanding operations (synchronize the earlier "
+                        "handle first)"
+                    )
+            for sub in subs:
+                self._seq += 1
+                sub.seq = self._seq
+                self._inflight[sub.name] = sub
+                self._queue.append(sub)
         self._wake.set()
         self._poke.set()
 
@@ -650,10 +838,9 @@ class Engine:
             self._write_timeline()
 
     def _loop(self) -> None:
-        mpi = self.world.mpi
-        ctrl = self.world.ctrl
+        tx = self.world.tx
         cycle = self.cfg.sync.cycle_time_ms / 1000.0
-        phase, req, round_start, lens, msg, last_round = 0, None, 0.0, None, b"", 0.0
+        phase, req, round_start, last_round = 0, None, 0.0, 0.0
         idle_rounds = idle_polls = 0
         while True:
             progressed = False
@@ -671,19 +858,11 @@ class Engine:
                 wait = _round_interval(cycle, idle_rounds)
                 if now - last_round >= wait or (self._wake.is_set() and now - last_round >= cycle):
                     self._wake.clear()
-                    msg = self._make_message()
-                    lens = np.zeros(self.size, dtype=np.int64)
-                    req = ctrl.Iallgather(np.array([len(msg)], dtype=np.int64), lens)
+                    req = tx.iallgather_bytes(self._make_message())
                     phase, round_start = 1, now
-            if phase == 1 and req.Test():
-                counts = lens.astype(int)
-                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int)
-                allbuf = np.empty(int(counts.sum()), dtype=np.uint8)
-                sendbuf = np.frombuffer(msg, dtype=np.uint8) if msg else np.empty(0, np.uint8)
-                req = ctrl.Iallgatherv(sendbuf, [allbuf, counts, displs, mpi.BYTE])
-                phase = 2
-            if phase == 2 and req.Test():
-                msgs = [json.loads(bytes(allbuf[d:d + c])) for d, c in zip(displs, counts)]
+            gathered = req.test() if phase == 1 else None
+            if gathered is not None:
+                msgs = [json.loads(m) for m in gathered]
                 phase, last_round = 0, time.monotonic()
                 self._round += 1
                 t_round = self.timeline.now_us()
@@ -742,14 +921,17 @@ class Engine:
                 self._pending_local[sub.name] = sub
                 # the shape last: codecs may depend on it (PowerSGD's (m, n) matrix), so
                 # compressed gradients must agree on more than the element count
-                new.append([sub.name, int(sub.array.size), dtype_code(sub.array.dtype),
-                            sub.codec_key, "average" if sub.average else "sum", sub.kind,
+                dcode = dtype_code(sub.array.dtype) if sub.dtype_ok else 0
+                new.append([sub.name, int(sub.array.size), dcode,
+                            sub.codec_key, sub.op, sub.kind,
                             sub.root, sub.strategy or "", sub.partitions or 0,
-                            _shape_meta(sub), _finite_flag(sub)])
+                            _shape_meta(sub), _finite_flag(sub), sub.extra,
+                            int(sub.filler)])
             queue_empty = not self._queue
+            joined = self._join_handle is not None
         bye = (self._shutdown.is_set() and queue_empty and not self._sched.busy
                and not self._held)
-        msg: Dict[str, Any] = {"new": new, "bye": bye}
+        msg: Dict[str, Any] = {"new": new, "bye": bye, "joined": joined}
         if self._local_error is not None:
             msg["error"] = f"{type(self._local_error).__name__}: {self._local_error}"
         if self.rank == 0:
@@ -814,35 +996,111 @@ class Engine:
                 if r == 0:
                     ent["order"] = (self._round, i)
         self._check_byes(msgs)
+        joined = {r for r, m in enumerate(msgs) if m.get("joined")}
+        for r in joined:
+            self._join_round.setdefault(r, self._round)
+        if joined:
+            self._joined_fill(joined)
         for name, ent in list(self._table.items()):
             if len(ent["meta"]) == self.size:
                 ready.append((ent["order"], name))
         ready.sort()
         started = []
         for _, name in ready:
+            if name not in self._table:  # failed with its group earlier in this round
+                continue
             ent = self._table.pop(name)
-            metas = ent["meta"]
-            first = metas[0]
-            # broadcast: only the root knows the size; compare kind and root alone
-            sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 9)
-            bad = [r for r in range(self.size) if metas[r][sl] != first[sl]]
-            if bad:
-                keys = ("numel", "dtype", "codec", "op", "kind", "root", "strategy", "partitions",
-                        "shape")
-                desc = {r: dict(zip(keys, metas[r])) for r in [0] + bad}
-                raise SyncError(
-                    f"ranks disagree about gradient {name!r}: {desc}. Every rank must submit "
-                    "the same shape, dtype, op, compression and strategy for a name (and use "
-                    "the same config and SeCoPa plan)"
-                )
+            metas = [ent["meta"][r] for r in range(self.size)]
             sub = self._pending_local.pop(name)
+            if any(m[4] in _DATA_KINDS for m in metas):
+                err = _collective_mismatch(name, metas)
+            else:
+                err = _submission_mismatch(name, metas)
+            if err is not None:  # every rank fails this handle alike; the engine goes on
+                self._complete(sub, error=CollectiveArgumentError(err))
+                if _groups_differ(metas):
+                    self._fail_groups(metas, err)
+                continue
+            sub.metas = metas
+            sub.divisor = self.size - sum(m[11] for m in metas)
             nonfinite = [r for r in range(self.size) if not metas[r][9]]
             if nonfinite:
                 self._uncompress_nonfinite(sub, nonfinite)
             started.append(sub)
         if started:
             self._start(started)
+        if len(joined) == self.size and not self._table:
+            self._finish_join(joined)
         return len(started)
+
+    def _fail_groups(self, metas: List[list], err: str) -> None:
+        """Fail every name of the grouped_allreduce calls that ``metas`` belong to.
+
+        Ranks grouped different tensors: the names some ranks grouped and others did not
+        would otherwise wait forever. Each rank's whole group travelled in one message,
+        so it is in the table now; a table entry goes when every rank that submitted it
+        did so in the group (``gid``, its first name) that rank had for the failed name.
+        Every rank sees the same table, so all drop the same names.
+        """
+        gids = {r: _extra(m, "gid") for r, m in enumerate(metas)}
+        for name, ent in list(self._table.items()):
+            mine = [(r, _extra(meta, "gid")) for r, meta in ent["meta"].items()]
+            if mine and all(gid is not None and gid == gids.get(r) for r, gid in mine):
+                self._table.pop(name)
+                sub = self._pending_local.pop(name, None)
+                if sub is not None:
+                    self._complete(sub, error=CollectiveArgumentError(err))
+
+    def _joined_fill(self, joined: set) -> None:
+        """Stand in for ranks that called :meth:`join`: zeros for allreduces they miss.
+
+        A name every rank has submitted except ranks that joined is allreduced with
+        zeros from those ranks (``contributes=False``: residuals untouched), flagged as
+        fillers in negotiation so that every rank divides an average by the ranks that
+        contributed. Other operations (broadcast, allgather, alltoall, reducescatter, and
+        min/max/product allreduces, where zeros would change the result) cannot run
+        against joined ranks: their handles fail on every rank. Every rank sees the same
+        table and flags, so all decide alike.
+        """
+        refused = []
+        for name, ent in self._table.items():
+            missing = set(range(self.size)) - set(ent["meta"])
+            if not missing or not missing <= joined:
+                continue
+            meta = next(iter(ent["meta"].values()))
+            if meta[4] == "allreduce" and meta[3] in ("average", "sum"):
+                if self.rank in missing and name not in self._inflight:
+                    self._enqueue(self._filler(name, meta))
+            else:
+                refused.append((name, sorted(missing), meta[4], meta[3]))
+        for name, missing, kind, op in refused:
+            self._table.pop(name)
+            sub = self._pending_local.pop(name, None)
+            if sub is not None:
+                what = f"{kind} (op={op!r})" if kind == "allreduce" else kind
+                self._complete(sub, error=CollectiveArgumentError(
+                    f"{what} {name!r} cannot run: rank(s) {missing} have called join() and only "
+                    "sum/average allreduces run against joined ranks (they add zeros). Run it "
+                    "before join(), or on every rank"))
+
+    def _filler(self, name: str, meta: list) -> _Submission:
+        """Return this joined rank's zero submission matching another rank's ``meta``."""
+        numel, dcode, key, op, _kind, _root, strategy, parts, shape = meta[:9]
+        array = np.zeros(tuple(shape) if shape is not None else (numel,), CODE_DTYPES[dcode])
+        return _Submission(name=name, array=array, average=(op == "average"), op=op,
+                           codec=None if key == "none" else self._codec(key), codec_key=key,
+                           strategy=strategy or None, contributes=False, handle=Handle(name),
+                           kind="allreduce", root=-1, seq=0, partitions=parts or None,
+                           inplace=False, filler=True)
+
+    def _finish_join(self, joined: set) -> None:
+        """Every rank has joined and nothing waits: complete the join, name the last rank."""
+        last = max(joined, key=lambda r: (self._join_round[r], r))
+        self._join_round.clear()
+        with self._lock:
+            handle, self._join_handle = self._join_handle, None
+        if handle is not None:
+            handle._finish(last)
 
     def _check_byes(self, msgs: List[Dict[str, Any]]) -> None:
         """Catch ranks that finished while others still wait for their gradients.
@@ -978,6 +1236,18 @@ class Engine:
             if path == "broadcast":
                 tag = self._next_tag()
                 self._launch(T.broadcast_task(self.env, job, sub.root, tag), sub.name, tag)
+            elif path in ("reduce", "allgather", "alltoall", "reducescatter"):
+                tag = self._next_tag()
+                if path == "reduce":
+                    gen = T.reduce_task(self.env, job, sub.op, tag)
+                elif path == "allgather":
+                    gen = T.allgather_task(self.env, job, [m[8][0] for m in sub.metas], tag)
+                elif path == "alltoall":
+                    gen = T.alltoall_task(self.env, job, sub.metas[self.rank][10],
+                                          [m[10][self.rank] for m in sub.metas], tag)
+                else:
+                    gen = T.reducescatter_task(self.env, job, sub.op, tag)
+                self._launch(gen, sub.name, tag)
             elif path == "direct":
                 n = job.flat.size
                 parts = max(1, min(n, math.ceil(job.flat.nbytes / _DIRECT_PARTITION_BYTES)))
@@ -1042,11 +1312,14 @@ class Engine:
         flat = xp.ascontiguousarray(arr).reshape(-1)
         if path in ("ps", "ring", "gather", "allreduce"):
             flat = flat.astype(compute_dtype(flat.dtype), copy=False)
-        out = arr.reshape(-1) if sub.inplace else xp.empty(arr.size, dtype=arr.dtype)
+        if sub.kind == "broadcast" or sub.kind in _DATA_KINDS:
+            out = None  # the task sets it
+        else:
+            out = arr.reshape(-1) if sub.inplace else xp.empty(arr.size, dtype=arr.dtype)
         memory = self._memory_for(sub.codec) if sub.codec is not None else self._memories["none"]
 
         def done(job: T.Job, sub: _Submission = sub) -> None:
-            if sub.kind == "broadcast":
+            if sub.kind == "broadcast" or sub.kind in _DATA_KINDS:
                 res = job.out
             elif sub.inplace:
                 res = sub.array
@@ -1055,7 +1328,7 @@ class Engine:
             self._complete(sub, res)
 
         return T.Job(sub.name, flat, out, tuple(arr.shape), sub.average, sub.codec, memory,
-                     sub.contributes, on_done=done)
+                     sub.contributes, on_done=done, divisor=sub.divisor)
 
     def _write_timeline(self) -> None:
         """Finish the trace file: the streamed events, or after a clean end the full trace.
@@ -1075,7 +1348,8 @@ class Engine:
                 if clean:
                     write_trace(str(self.timeline_path()), [[]] * self.rank + [events], meta)
                 return
-            gathered = self.world.ctrl.gather(events, root=0) if clean and self.size > 1 else None
+            gathered = (self.world.tx.gather_object(events, root=0)
+                        if clean and self.size > 1 else None)
             if self.rank == 0 and clean:
                 write_trace(self.timeline_path(), gathered or [events], meta)
                 logger.info("HiPress timeline written to %s", self.timeline_path())
@@ -1145,8 +1419,156 @@ def _round_interval(cycle_s: float, idle_rounds: int) -> float:
 
 
 def _shape_meta(sub: _Submission) -> Optional[List[int]]:
-    """Return the shape ranks must agree on for ``sub``: compressed gradients only (None)."""
-    return [int(d) for d in sub.array.shape] if sub.codec is not None else None
+    """Return the shape ranks must agree on (or exchange) for ``sub``, else None.
+
+    Allreduces (a result has the shape of its input, so ranks must agree on it, as
+    Horovod checks) and allgather, alltoall and reducescatter (they work along dimension
+    0) carry it; broadcasts move bytes whose size only the root knows, so none.
+    """
+    if sub.kind == "broadcast":
+        return None
+    return [int(d) for d in sub.array.shape]
+
+
+def _check_name_op(name: Any, op: str, what: str) -> None:
+    """Refuse a name that is not a non-empty string and an op not in :data:`OPS`.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name must be a non-empty string, got {name!r}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def _check_op_dtype(op: str, dtype: np.dtype, name: str) -> None:
+    """Refuse an average of an integer or bool tensor (it would have to truncate).
+
+    Raises:
+        TypeError: ``op == "average"`` and ``dtype`` is not floating.
+    """
+    if op == "average" and dtype.kind in "iub":
+        raise TypeError(
+            f"op='average' of {dtype} tensor {name!r}: an integer average would truncate. "
+            "Use op='sum' and divide by size() yourself, or cast the tensor to a float dtype")
+
+
+def _check_splits(splits: Any, rows: int, size: int) -> Any:
+    """Return alltoall's ``splits`` as a list of ints, or a message saying what is wrong.
+
+    None splits ``rows`` into ``size`` equal parts (``rows`` must divide evenly).
+    """
+    if splits is None:
+        if rows % size:
+            return (f"the first dimension {rows} does not divide into {size} equal parts; "
+                    "pass splits (rows for each rank)")
+        return [rows // size] * size
+    try:
+        vals = [int(v) for v in splits]
+        if any(v != float(w) for v, w in zip(vals, splits)):
+            raise ValueError
+    except (TypeError, ValueError):
+        return f"splits must be integers (rows for each rank), got {splits!r}"
+    if len(vals) != size:
+        return f"splits has {len(vals)} entries for {size} ranks: {vals}; give one per rank"
+    if any(v < 0 for v in vals):
+        return f"splits must not be negative, got {vals}"
+    if sum(vals) != rows:
+        return (f"splits {vals} add up to {sum(vals)} but the first dimension is {rows}; "
+                "they must add up to it")
+    return vals
+
+
+def _extra(meta: list, key: str) -> Any:
+    """Return ``key`` of a negotiation entry's extra dict (None when absent or not a dict)."""
+    return meta[10].get(key) if isinstance(meta[10], dict) else None
+
+
+def _refusals(metas: List[list]) -> str:
+    """Return the ranks' own argument errors (extra ``"error"``), joined; "" when none."""
+    return "; ".join(f"rank {r}: {_extra(m, 'error')}" for r, m in enumerate(metas)
+                     if _extra(m, "error"))
+
+
+def _group_sizes(metas: List[list]) -> Dict[int, Optional[int]]:
+    """Return each contributing rank's grouped_allreduce size (None: a single allreduce)."""
+    return {r: _extra(m, "group") for r, m in enumerate(metas) if not m[11]}
+
+
+def _groups_differ(metas: List[list]) -> bool:
+    """Return True if the ranks submitted an allreduce in groups of different sizes."""
+    return metas[0][4] == "allreduce" and len(set(_group_sizes(metas).values())) > 1
+
+
+def _submission_mismatch(name: str, metas: List[list]) -> Optional[str]:
+    """Return why an allreduce or broadcast cannot run, or None.
+
+    A rank's refusal (:meth:`Engine._refuse`) first; then, for allreduce, that every rank
+    submitted the same element count, dtype, compression, op, strategy, partitions and
+    shape, in a group of the same size (``grouped_allreduce``; ranks that joined are not
+    compared); for broadcast the kind and the root, and the shape and dtype of tensor
+    broadcasts (``Engine.broadcast(check=True)``; for objects only the root knows the size).
+    """
+    errors = _refusals(metas)
+    if errors:
+        return f"allreduce {name!r} was refused; {errors}"
+    first = metas[0]
+    sl = slice(4, 6) if first[4] == "broadcast" else slice(0, 9)
+    bad = [r for r in range(len(metas)) if metas[r][sl] != first[sl]]
+    if _groups_differ(metas):
+        return (f"ranks disagree about the group of allreduce {name!r} (tensors in the "
+                f"grouped_allreduce call, None: a single allreduce): {_group_sizes(metas)}. "
+                "Every rank must pass the same tensors, under the same names, to "
+                "grouped_allreduce")
+    if not bad and first[4] == "broadcast" and all(isinstance(m[10], dict) for m in metas):
+        tensors = {r: m[10] for r, m in enumerate(metas)}
+        if len({json.dumps(t, sort_keys=True) for t in tensors.values()}) > 1:
+            return (f"ranks disagree about the tensor of broadcast {name!r}: {tensors}. "
+                    "Every rank must pass a tensor of the root's shape and dtype")
+    if not bad:
+        return None
+    desc = {}
+    for r in [0] + bad:
+        d = dict(zip(_META_KEYS[:9], metas[r]))
+        d["dtype"] = str(CODE_DTYPES.get(d["dtype"], d["dtype"]))
+        desc[r] = d
+    return (f"ranks disagree about {first[4]} {name!r}: {desc}. Every rank must submit the "
+            "same shape, dtype, op, compression and strategy for a name (and use the same "
+            "config and SeCoPa plan)")
+
+
+def _collective_mismatch(name: str, metas: List[list]) -> Optional[str]:
+    """Return why an allgather/alltoall/reducescatter cannot run, or None.
+
+    Checks every rank's local argument errors, then that the ranks agree on the
+    operation, dtype and (allgather, alltoall) trailing dimensions or (reducescatter)
+    shape and op.
+    """
+    kind = metas[0][4]
+    errors = _refusals(metas)
+    if errors:
+        return f"{kind} {name!r} has invalid arguments; {errors}"
+
+    def differ(key: str, value: Any) -> Optional[str]:
+        vals = {r: value(m) for r, m in enumerate(metas)}
+        if len({json.dumps(v) for v in vals.values()}) > 1:
+            return (f"ranks disagree about the {key} of {kind} {name!r}: {vals}. Every rank "
+                    f"must call the same collective with the same {key} under a name")
+        return None
+
+    dtype_name = (lambda m: str(CODE_DTYPES.get(m[1], "?")))  # noqa: E731
+    if kind == "reducescatter":
+        checks = [("operation", lambda m: m[4]), ("dtype", dtype_name),
+                  ("shape", lambda m: m[8]), ("op", lambda m: m[3])]
+    else:
+        checks = [("operation", lambda m: m[4]), ("dtype", dtype_name),
+                  ("trailing dimensions", lambda m: m[8][1:])]
+    for key, value in checks:
+        err = differ(key, value)
+        if err is not None:
+            return err
+    return None
 
 
 def _writable_contiguous(array: Any) -> bool:

@@ -1,15 +1,17 @@
-"""Runs CaSync task graphs as coroutines over non-blocking MPI and a compute pool.
+"""Runs CaSync task graphs as coroutines over a non-blocking transport and a compute pool.
 
 A task graph is a Python generator. It yields the primitives it needs and is resumed with
 their results:
 
-- :class:`Send` / :class:`Recv`: point-to-point byte messages, started with ``Isend`` /
-  ``Irecv`` (or ``Improbe`` + ``Imrecv`` when the size is not known in advance);
+- :class:`Send` / :class:`Recv`: point-to-point byte messages through the transport
+  (:mod:`hipress.comm`: MPI ``Isend``/``Irecv``, ``Improbe`` + ``Imrecv`` when the size
+  is not known in advance; or ``torch.distributed`` ``isend``/``irecv``);
 - :class:`Compute`: a function (encode, decode, merge) run on the compute thread pool;
 - a list of the above: all of them at once, resumed when every one has finished.
 
 One background thread steps every active graph: while one graph waits for its send to
-drain, another encodes, and MPI is polled between them, which is CaSync's pipelining.
+drain, another encodes, and the transport is polled between them, which is CaSync's
+pipelining.
 Graphs only use point-to-point messages with tags unique to their task, so the order in
 which ranks happen to step their graphs never matters.
 """
@@ -30,11 +32,17 @@ from hipress.errors import SyncError
 
 @dataclasses.dataclass
 class Send:
-    """Send ``buf`` (a uint8 NumPy array) to rank ``dest`` with ``tag``; resumes with None."""
+    """Send ``buf`` (a uint8 NumPy array) to rank ``dest`` with ``tag``; resumes with None.
+
+    ``probe``: the receiver does not know the size (its :class:`Recv` has ``nbytes``
+    None). MPI ignores it (receivers probe); a transport that cannot probe (gloo) sends
+    the size first only for such messages.
+    """
 
     dest: int
     buf: np.ndarray
     tag: int
+    probe: bool = False
 
 
 @dataclasses.dataclass
@@ -119,19 +127,20 @@ class Scheduler:
     primitives that finished (not for every task in flight).
 
     Args:
-        comm: the data communicator (mpi4py).
-        mpi: the ``mpi4py.MPI`` module.
+        tx: the transport (:class:`hipress.comm.MpiTransport` or
+            :class:`hipress.torch_transport.TorchTransport`).
         compute_threads: threads for :class:`Compute` steps; 0 runs them inline.
-        wait_timeout_s: a primitive that does not finish in this time fails its task with
-            a :class:`SyncError` naming the peer rank (a dead or stuck rank).
+        wait_timeout_s: a communication primitive (send, receive, probe) that does not
+            finish in this time fails its task with a :class:`SyncError` naming the peer
+            rank (a dead or stuck rank). Local compute steps are not timed: a slow one (a
+            loaded CPU) is progress, not a stalled peer.
         on_compute_done: called (from a compute thread) whenever a compute step finishes,
             so the driving thread can wake up.
     """
 
-    def __init__(self, comm: Any, mpi: Any, compute_threads: int, wait_timeout_s: float,
+    def __init__(self, tx: Any, compute_threads: int, wait_timeout_s: float,
                  on_compute_done: Optional[Callable[[], None]] = None) -> None:
-        self.comm = comm
-        self.mpi = mpi
+        self.tx = tx
         self.pool = None
         if compute_threads > 0:
             self.pool = concurrent.futures.ThreadPoolExecutor(
@@ -142,7 +151,6 @@ class Scheduler:
         self.bytes_sent = 0
         self._reqs: List[Any] = []
         self._req_ops: List[_Op] = []
-        self._probes: List[_Op] = []
         self._computed: Deque[_Op] = collections.deque()
         self._ready: List[_Task] = []
         self._on_compute_done = on_compute_done
@@ -199,12 +207,14 @@ class Scheduler:
     def _check_timeouts(self, now: float) -> None:
         for task in self.tasks:
             if task.pending and now - task.since > self.wait_timeout_s:
-                waiting = [op for op in task.ops if not op.done]
+                waiting = [op for op in task.ops if not op.done and op.kind != "compute"]
+                if not waiting:  # only local compute left: slow (a loaded CPU), not stalled
+                    continue
                 peers = sorted({op.peer for op in waiting if op.peer >= 0})
                 raise SyncError(
                     f"task {task.label} waited {now - task.since:.1f} s for "
                     f"{', '.join(op.kind for op in waiting)} with rank(s) {peers}: a rank died, "
-                    "hangs, or skipped this gradient (raise sync.stall_timeout_s if a step "
+                    "hangs, or skipped this gradient (raise sync.stall_shutdown_s if a step "
                     "legitimately takes longer)"
                 )
 
@@ -218,31 +228,18 @@ class Scheduler:
 
     def _test_all(self) -> None:
         """Finish every primitive that completed since the last call."""
-        MPI = self.mpi
         while self._computed:
             op = self._computed.popleft()
             self._finish_op(op, op.future.result())  # re-raises the step's exception
-        if self._probes:
-            still = []
-            for op in self._probes:
-                status = MPI.Status()
-                msg = self.comm.Improbe(source=op.peer, tag=op.tag, status=status)
-                if msg is None:
-                    still.append(op)
-                    continue
-                op.buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)
-                op.req = msg.Irecv([op.buf, MPI.BYTE])
-                op.kind = "recv"
-                self._reqs.append(op.req)
-                self._req_ops.append(op)
-            self._probes = still
         if self._reqs:
-            idx = MPI.Request.Testsome(self._reqs)
+            idx = self.tx.test_some(self._reqs)
             if idx:
                 done = set(idx)
                 for i in idx:
                     op = self._req_ops[i]
-                    self._finish_op(op, op.buf if op.kind == "recv" else None)
+                    if op.kind == "probe":
+                        op.buf = op.req.buf
+                    self._finish_op(op, op.buf if op.kind != "send" else None)
                 self._reqs = [r for i, r in enumerate(self._reqs) if i not in done]
                 self._req_ops = [o for i, o in enumerate(self._req_ops) if i not in done]
 
@@ -260,19 +257,22 @@ class Scheduler:
             reqs = req if task.many else [req]
             task.since = time.monotonic()
             task.pending = len(reqs)
-            task.ops = [self._start(r, task) for r in reqs]
+            self.tx.begin_batch()
+            try:
+                task.ops = [self._start(r, task) for r in reqs]
+            finally:
+                self.tx.end_batch()
             if task.pending:
                 return
             results = [op.result for op in task.ops]
             value = results if task.many else results[0]
 
     def _start(self, r: Any, task: _Task) -> _Op:
-        MPI = self.mpi
         if isinstance(r, Send):
             op = _Op("send", task)
             op.peer = r.dest
             op.buf = r.buf
-            op.req = self.comm.Isend([r.buf, MPI.BYTE], dest=r.dest, tag=r.tag)
+            op.req = self.tx.isend(r.buf, r.dest, r.tag, r.probe)
             self.bytes_sent += int(r.buf.nbytes)
             self._reqs.append(op.req)
             self._req_ops.append(op)
@@ -283,12 +283,12 @@ class Scheduler:
             op.tag = r.tag
             if r.buf is not None or r.nbytes is not None:
                 op.buf = r.buf if r.buf is not None else np.empty(int(r.nbytes), dtype=np.uint8)
-                op.req = self.comm.Irecv([op.buf, MPI.BYTE], source=r.src, tag=r.tag)
-                self._reqs.append(op.req)
-                self._req_ops.append(op)
+                op.req = self.tx.irecv(op.buf, r.src, r.tag)
             else:
                 op.kind = "probe"
-                self._probes.append(op)
+                op.req = self.tx.irecv_probe(r.src, r.tag)
+            self._reqs.append(op.req)
+            self._req_ops.append(op)
             return op
         if isinstance(r, Compute):
             op = _Op("compute", task)
@@ -297,7 +297,15 @@ class Scheduler:
                 op.done = True
                 task.pending -= 1
             else:
-                op.future = self.pool.submit(r.fn, *r.args)
+                try:
+                    op.future = self.pool.submit(r.fn, *r.args)
+                except RuntimeError as exc:
+                    # interpreter exit (after an uncaught exception in the training
+                    # script) stops the pool's threads under the engine: a HiPressError
+                    # ends the engine quietly, so the script's own exception stays the
+                    # cause that hipressrun reports
+                    raise SyncError(f"the compute pool has stopped ({exc}): the process "
+                                    "is exiting") from exc
                 op.future.add_done_callback(lambda _f, op=op: self._computed_cb(op))
             return op
         raise TypeError(f"task yielded {type(r).__name__}; expect Send, Recv, Compute or a list")

@@ -54,12 +54,14 @@ class Job:
         name: the gradient's name (agreed across ranks).
         flat: 1-D view of the input (NumPy or CuPy), never modified.
         out: 1-D result buffer of the input's dtype, filled by the tasks.
-        average: divide the sum by the world size.
+        average: divide the sum by ``divisor``.
         codec: codec for compressed paths (None for uncompressed).
         memory: error-feedback memory (NoMemory when disabled).
         contributes: False when this rank has no gradient (zeros that must not touch
             the residual).
         parts_left: partitions still running; the handle completes at 0.
+        divisor: what an average divides the sum by: the world size, less the ranks
+            that only filled in zeros after :func:`hipress.join` (0: the world size).
     """
 
     name: str
@@ -72,6 +74,7 @@ class Job:
     contributes: bool
     parts_left: int = 1
     on_done: Any = None
+    divisor: int = 0
 
     def part_done(self) -> None:
         """Mark one partition finished; complete the handle after the last one."""
@@ -95,12 +98,17 @@ def _stat(env: TaskEnv, name: str, **add: float) -> None:
         st[k] = st.get(k, 0) + v
 
 
-def _write(job: Job, lo: int, hi: int, value: Any, size: int, scaled: bool = False) -> None:
+def _divisor(env: TaskEnv, job: Job) -> int:
+    """Return what the job's sum is divided by: 1 for a sum, else its averaging divisor."""
+    return (job.divisor or env.size) if job.average else 1
+
+
+def _write(env: TaskEnv, job: Job, lo: int, hi: int, value: Any, scaled: bool = False) -> None:
     """Store a summed result slice into the job's output, averaged if asked.
 
     ``scaled`` means ``value`` is already the average (the codec applied ``prescale``).
     """
-    store_scaled(value, job.out[lo:hi], size if job.average and not scaled else 1)
+    store_scaled(value, job.out[lo:hi], 1 if scaled else _divisor(env, job))
 
 
 # ------------------------------------------------------------------ compute steps
@@ -170,7 +178,7 @@ def _decoded(codec: Codec, buf: Any, xp: Any, numel: int) -> Any:
 def _decode_write_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, lo: int, hi: int,
                        part: str) -> None:
     """Decode the final payload of ``flat[lo:hi]`` into the output, averaged if asked."""
-    divisor = env.size if job.average else 1
+    divisor = _divisor(env, job)
     with env.timeline.span("decode", gradient=job.name, partition=part):
         if isinstance(buf, tuple) and buf[1] is not None:
             store_scaled(buf[1], job.out[lo:hi], divisor)
@@ -213,7 +221,8 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
     if me != aggregator:
         nbytes = None if codec.variable_size else codec.payload_nbytes((hi - lo,), x.dtype)
         _, final = yield from _comm(env, job, label, "send+recv", [
-            Send(aggregator, own[0], tag), Recv(aggregator, tag + 1, nbytes)])
+            Send(aggregator, own[0], tag, codec.variable_size),
+            Recv(aggregator, tag + 1, nbytes)])
     else:
         nbytes = None if codec.variable_size else own[0].size
         got = yield from _comm(env, job, label, "recv", [
@@ -224,8 +233,8 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
         skey = f"{key}@agg"
         sfb = job.memory.name != "none"
         final = yield Compute(_encode_step, (env, job, codec, merged, skey, sfb, label + "@agg"))
-        yield from _comm(env, job, label, "send", [Send(r, final[0], tag + 1) for r in range(N)
-                                                   if r != me])
+        yield from _comm(env, job, label, "send", [
+            Send(r, final[0], tag + 1, codec.variable_size) for r in range(N) if r != me])
     yield Compute(_decode_write_step, (env, job, codec, final, lo, hi, label))
     _stat(env, job.name, payload_bytes=int(own[0].size), raw_bytes=(hi - lo) * x.dtype.itemsize)
     job.part_done()
@@ -267,7 +276,8 @@ def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> 
     for s in range(N - 1):
         recv_idx = (me - s - 1) % N
         _, got = yield from _comm(env, job, label, "send+recv", [
-            Send(nxt, payload[0], tag + s), Recv(prv, tag + s, nbytes(recv_idx))])
+            Send(nxt, payload[0], tag + s, codec.variable_size),
+            Recv(prv, tag + s, nbytes(recv_idx))])
         merged = yield Compute(_decode_sum_step, (env, job, codec, [got], f"{label}c{recv_idx}",
                                                   b[recv_idx + 1] - b[recv_idx],
                                                   _own_chunk(job, chunk(recv_idx), ckey(recv_idx),
@@ -278,7 +288,8 @@ def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> 
     finals: Dict[int, Any] = {owned: payload}
     if N > 1:
         got = yield from _comm(env, job, label, "allgather", [
-            Send(r, payload[0], tag + N + 0) for r in range(N) if r != me] + [
+            Send(r, payload[0], tag + N + 0, codec.variable_size) for r in range(N)
+            if r != me] + [
             Recv(r, tag + N, nbytes((r + 1) % N)) for r in range(N) if r != me])
         others = [r for r in range(N) if r != me]
         for r, buf in zip(others, got[N - 1:]):
@@ -325,23 +336,24 @@ def gather_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, parts: int,
     key = f"{job.name}#{label}" if parts > 1 else job.name
     own = yield Compute(_encode_step, (env, job, codec, job.flat[lo:hi], key, fb, label))
     got = yield from _comm(env, job, label, "allgather", [
-        Send(r, own[0], tag) for r in range(N) if r != me] + [
+        Send(r, own[0], tag, probe=True) for r in range(N) if r != me] + [
         Recv(r, tag, None) for r in range(N) if r != me])
     bufs = list(got[N - 1:])
     bufs.insert(me, own)
     total = yield Compute(_decode_sum_step, (env, job, codec, bufs, label, hi - lo))
-    _write(job, lo, hi, total, N)
+    _write(env, job, lo, hi, total)
     _stat(env, job.name, payload_bytes=int(own[0].size),
           raw_bytes=(hi - lo) * job.flat.dtype.itemsize)
     job.part_done()
 
 
-def allreduce_sum(env: TaskEnv, arr: np.ndarray, tag: int, label: str = "") -> Generator:
-    """Sum a 1-D host array over ranks; every rank gets identical bits.
+def allreduce_sum(env: TaskEnv, arr: np.ndarray, tag: int, label: str = "",
+                  op: str = "sum") -> Generator:
+    """Sum (or min/max/multiply: ``op``) a 1-D host array over ranks; identical bits.
 
-    Reduce-scatter as an all-to-all of N chunks (each rank sums the chunk it owns in rank
-    order, in float32 for 2-byte floats), then an allgather of the reduced chunks: the
-    bytes on the wire equal a ring allreduce's, and no element is summed twice. The
+    Reduce-scatter as an all-to-all of N chunks (each rank combines the chunk it owns in
+    rank order, see :func:`combine_chunks`), then an allgather of the reduced chunks: the
+    bytes on the wire equal a ring allreduce's, and no element is reduced twice. The
     result has ``arr``'s dtype (the caller picks one wide enough for the sum).
     """
     N, me = env.size, env.rank
@@ -350,15 +362,7 @@ def allreduce_sum(env: TaskEnv, arr: np.ndarray, tag: int, label: str = "") -> G
     b = _bounds(arr.size, N)
     item = arr.dtype.itemsize
     raw = np.ascontiguousarray(arr).view(np.uint8)
-
-    def piece(j: int) -> np.ndarray:
-        return raw[b[j] * item:b[j + 1] * item]
-
-    got = yield [Send(j, piece(j), tag) for j in range(N) if j != me] + [
-        Recv(i, tag, (b[me + 1] - b[me]) * item) for i in range(N) if i != me]
-    parts = list(got[N - 1:])
-    parts.insert(me, piece(me))
-    mine = yield Compute(_sum_chunks, (parts, arr.dtype))
+    mine = yield from _reduce_scatter(env, raw, [x * item for x in b], arr.dtype, op, tag)
     mine_raw = mine.view(np.uint8)
     got = yield [Send(j, mine_raw, tag + 1) for j in range(N) if j != me] + [
         Recv(i, tag + 1, (b[i + 1] - b[i]) * item) for i in range(N) if i != me]
@@ -371,13 +375,60 @@ def allreduce_sum(env: TaskEnv, arr: np.ndarray, tag: int, label: str = "") -> G
     return out
 
 
-def _sum_chunks(parts: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
-    """Sum byte chunks viewed as ``dtype`` in the given order, accumulating widely."""
+def _reduce_scatter(env: TaskEnv, raw: np.ndarray, offs: Sequence[int], dtype: np.dtype,
+                    op: str, tag: int, job: Optional[Job] = None) -> Generator:
+    """Reduce-scatter of byte ranges: rank j reduces ``raw[offs[j]:offs[j+1]]`` of every rank.
+
+    Each rank sends every other rank the range it owns, receives the N-1 copies of its
+    own range and combines them in rank order (:func:`combine_chunks`). Returns this
+    rank's reduced chunk (of ``dtype``). With ``job``, the messages are recorded as its
+    ``reduce-scatter`` timeline event and counted in its ``bytes_sent``.
+    """
+    N, me = env.size, env.rank
+    others = [r for r in range(N) if r != me]
+    ops = [Send(j, raw[offs[j]:offs[j + 1]], tag) for j in others] + [
+        Recv(i, tag, offs[me + 1] - offs[me]) for i in others]
+    if job is None:
+        got = yield ops
+    else:
+        got = yield from _comm(env, job, "all", "reduce-scatter", ops)
+    parts = list(got[N - 1:])
+    parts.insert(me, raw[offs[me]:offs[me + 1]])
+    return (yield Compute(combine_chunks, (parts, dtype, op)))
+
+
+def combine_chunks(parts: Sequence[np.ndarray], dtype: np.dtype, op: str = "sum") -> np.ndarray:
+    """Reduce byte chunks viewed as ``dtype`` in the given (rank) order.
+
+    Args:
+        parts: uint8 (or ``dtype``) arrays of equal element count.
+        dtype: their element type.
+        op: "sum"/"average" (the sum: dividing is the caller's), "min", "max" or
+            "product".
+
+    Returns:
+        The reduction, of ``dtype``. Sums and products of 16-bit floats accumulate in
+        float32, of integers in 64 bits (then wrap to ``dtype`` as integer arithmetic
+        does); bool sums and maxima are a logical or, minima and products a logical and.
+        Min and max are exact for every dtype.
+    """
     dt = np.dtype(dtype)
-    acc_dt = compute_dtype(dt) if dt in GRADIENT_DTYPES else np.dtype(np.int64)
+    if op in ("min", "max"):
+        ufunc = np.minimum if op == "min" else np.maximum
+        acc = parts[0].view(dt).copy()
+        for p in parts[1:]:
+            ufunc(acc, p.view(dt), out=acc)
+        return acc
+    if dt in GRADIENT_DTYPES:
+        acc_dt = compute_dtype(dt)
+    else:
+        acc_dt = np.dtype(np.uint64) if dt.kind == "u" else np.dtype(np.int64)
     acc = parts[0].view(dt).astype(acc_dt)
     for p in parts[1:]:
-        acc += p.view(dt)
+        if op == "product":
+            acc *= p.view(dt)
+        else:
+            acc += p.view(dt)
     return acc.astype(dt)
 
 
@@ -408,7 +459,7 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     xp = array_module(job.flat)
     shaped = job.flat.reshape(job.shape)  # low-rank codecs need the matrix, not a vector
     x = job.memory.compensate(job.name, shaped) if fb else shaped
-    stages = codec.reduce_stages(x, job.name, N, 1.0 / N if job.average else 1.0)
+    stages = codec.reduce_stages(x, job.name, N, 1.0 / _divisor(env, job))
     value: Any = None
     i = 0
     sent = 0
@@ -433,7 +484,7 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
         i += 1
     if fb and feedback is not None:
         job.memory.update(job.name, x, feedback)
-    _write(job, 0, job.flat.size, xp.asarray(result).reshape(-1), N, scaled=True)
+    _write(env, job, 0, job.flat.size, xp.asarray(result).reshape(-1), scaled=True)
     _stat(env, job.name, payload_bytes=sent, raw_bytes=job.flat.nbytes)
     job.part_done()
 
@@ -450,7 +501,8 @@ def _stage_step(env: TaskEnv, name: str, stages: Generator, value: Any, i: int) 
 def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:
     """Uncompressed allreduce of several gradients of one dtype through one fused buffer.
 
-    1. concatenate (host); 2. :func:`allreduce_sum`; 3. split and average each.
+    1. concatenate (host); 2. :func:`allreduce_sum`; 3. split and average each (a job
+    filled in after :func:`hipress.join` divides by its own ``divisor``).
     """
     N = env.size
     dtype = jobs[0].flat.dtype
@@ -468,7 +520,7 @@ def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:
     share = 2.0 * (N - 1) / N if N > 1 else 0.0
     for j in jobs:
         n = j.flat.size
-        _write(j, 0, n, total[pos:pos + n], N)
+        _write(env, j, 0, n, total[pos:pos + n])
         _stat(env, j.name, bytes_sent=int(j.flat.nbytes * share),
               payload_bytes=int(j.flat.nbytes), raw_bytes=int(j.flat.nbytes))
         pos += n
@@ -508,7 +560,7 @@ def direct_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -
         own = own.copy()
     parts = [g.view(x.dtype) for g in got[N - 1:]]
     parts.insert(me, own)
-    yield Compute(_sum_into, (env, job.name, label, parts, mine, N if job.average else 1))
+    yield Compute(_sum_into, (env, job.name, label, parts, mine, _divisor(env, job)))
     out_raw = out.view(np.uint8)
     yield from _comm(env, job, label, "allgather", [
         Send(j, out_raw[b[me] * item:b[me + 1] * item], tag + 1) for j in others] + [
@@ -545,10 +597,106 @@ def broadcast_task(env: TaskEnv, job: Job, root: int, tag: int) -> Generator:
     if me == root:
         raw = np.ascontiguousarray(to_host(job.flat)).view(np.uint8).reshape(-1)
         if N > 1:
-            yield from _comm(env, job, "all", "send", [Send(r, raw, tag) for r in range(N)
+            yield from _comm(env, job, "all", "send", [Send(r, raw, tag, probe=True)
+                                                       for r in range(N)
                                                        if r != root])
         job.out = raw
     else:
         (got,) = yield from _comm(env, job, "all", "recv", [Recv(root, tag, None)])
         job.out = got
+    job.part_done()
+
+
+# ------------------------------------------------------------------ other collectives
+def reduce_task(env: TaskEnv, job: Job, op: str, tag: int) -> Generator:
+    """Uncompressed allreduce with ``op`` "min", "max" or "product" (any collective dtype)."""
+    start = env.timeline.now_us()
+    host = np.ascontiguousarray(to_host(job.flat))
+    red = yield from allreduce_sum(env, host, tag, op=op)
+    env.timeline.add("allreduce", start, env.timeline.now_us() - start, gradient=job.name,
+                     bytes=int(host.nbytes), op=op)
+    _write(env, job, 0, job.flat.size, red)
+    _stat(env, job.name, payload_bytes=int(host.nbytes), raw_bytes=int(host.nbytes))
+    job.part_done()
+
+
+def _row_elems(shape: Sequence[int]) -> int:
+    """Elements per row (first-dimension slice) of an array of ``shape`` (ndim >= 1)."""
+    return int(np.prod(shape[1:], dtype=np.int64)) if len(shape) > 1 else 1
+
+
+def _exchange(env: TaskEnv, job: Job, label: str, send: Sequence[np.ndarray],
+              recv_rows: Sequence[int], row_bytes: int, out: np.ndarray, tag: int) -> Generator:
+    """Send ``send[j]`` to each rank j; receive rank i's rows into ``out``, in rank order.
+
+    ``send`` holds uint8 arrays; ``recv_rows[i]`` rows of ``row_bytes`` come from rank i
+    into consecutive slices of ``out``; this rank's own chunk is copied locally.
+    """
+    N, me = env.size, env.rank
+    out_raw = out.view(np.uint8).reshape(-1)
+    offs = np.concatenate([[0], np.cumsum([r * row_bytes for r in recv_rows])]).astype(int)
+    others = [r for r in range(N) if r != me]
+    yield from _comm(env, job, "all", label, [Send(j, send[j], tag) for j in others] + [
+        Recv(i, tag, int(offs[i + 1] - offs[i]), out_raw[offs[i]:offs[i + 1]])
+        for i in others])
+    out_raw[offs[me]:offs[me + 1]] = send[me]
+
+
+def allgather_task(env: TaskEnv, job: Job, rows: Sequence[int], tag: int) -> Generator:
+    """Allgather: every rank gets every rank's array concatenated along dim 0, in rank order.
+
+    ``rows[r]`` is rank r's first dimension (agreed in negotiation, so every receive is
+    preposted at its exact size); trailing dimensions are equal on every rank. Sets
+    ``job.out`` to ``(result, rows)``: result of shape ``(sum(rows), *shape[1:])``.
+    """
+    x = np.ascontiguousarray(to_host(job.flat))
+    row_bytes = _row_elems(job.shape) * x.dtype.itemsize
+    out = np.empty((sum(rows),) + tuple(job.shape[1:]), dtype=x.dtype)
+    raw = x.view(np.uint8).reshape(-1)
+    yield from _exchange(env, job, "allgather", [raw] * env.size, rows, row_bytes, out, tag)
+    _stat(env, job.name, raw_bytes=int(out.nbytes))
+    job.out = (out, list(rows))
+    job.part_done()
+
+
+def alltoall_task(env: TaskEnv, job: Job, splits: Sequence[int], recv_splits: Sequence[int],
+                  tag: int) -> Generator:
+    """Alltoall: rows ``splits[j]`` of this rank's array go to rank j, in order.
+
+    Each rank receives ``recv_splits[i]`` rows from rank i (rank i's ``splits[me]``,
+    agreed in negotiation) and concatenates them in source-rank order. Sets ``job.out``
+    to ``(result, recv_splits)``.
+    """
+    x = np.ascontiguousarray(to_host(job.flat))
+    row_bytes = _row_elems(job.shape) * x.dtype.itemsize
+    raw = x.view(np.uint8).reshape(-1)
+    so = np.concatenate([[0], np.cumsum(splits)]).astype(int) * row_bytes
+    send = [raw[so[j]:so[j + 1]] for j in range(env.size)]
+    out = np.empty((sum(recv_splits),) + tuple(job.shape[1:]), dtype=x.dtype)
+    yield from _exchange(env, job, "alltoall", send, recv_splits, row_bytes, out, tag)
+    _stat(env, job.name, raw_bytes=int(x.nbytes))
+    job.out = (out, list(recv_splits))
+    job.part_done()
+
+
+def reducescatter_task(env: TaskEnv, job: Job, op: str, tag: int) -> Generator:
+    """Reduce-scatter along dim 0: rank r gets rows ``bounds[r]:bounds[r+1]`` reduced.
+
+    The first dimension is split as evenly as possible, the first ``dim0 % N`` ranks
+    getting one row more (as Horovod). Each rank sends every other rank the rows it owns
+    and reduces its own rows in rank order (:func:`combine_chunks`), then divides by the
+    averaging divisor for ``"average"``. Sets ``job.out`` to the reduced rows, shape
+    ``(bounds[r+1] - bounds[r], *shape[1:])``.
+    """
+    me = env.rank
+    x = np.ascontiguousarray(to_host(job.flat))
+    b = _bounds(job.shape[0], env.size)
+    row_bytes = _row_elems(job.shape) * x.dtype.itemsize
+    raw = x.view(np.uint8).reshape(-1)
+    red = yield from _reduce_scatter(env, raw, [r * row_bytes for r in b], x.dtype, op, tag,
+                                     job)
+    out = np.empty((b[me + 1] - b[me],) + tuple(job.shape[1:]), dtype=x.dtype)
+    store_scaled(red, out.reshape(-1), _divisor(env, job))
+    _stat(env, job.name, raw_bytes=int(x.nbytes))
+    job.out = out
     job.part_done()

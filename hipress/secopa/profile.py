@@ -513,7 +513,9 @@ def _step_overhead(comm: Any, mpi: Any) -> float:
     from hipress.engine.scheduler import Compute, Scheduler
 
     steps = 40
-    sched = Scheduler(comm, mpi, 1, 60.0)
+    from hipress.comm import MpiTransport
+
+    sched = Scheduler(MpiTransport(None, comm, mpi), 1, 60.0)
 
     def chain() -> Any:
         for _ in range(steps):
@@ -571,20 +573,22 @@ def _codec_ops(codec: Codec, n: int, rng: np.random.Generator, world_size: int) 
 
 def _host_ops(n: int, rng: np.random.Generator, world_size: int) -> Dict[str, Any]:
     """Return the codec-independent compute primitives: error feedback, result write."""
-    from hipress.engine.tasks import _write
+    from hipress.engine.tasks import TaskEnv, _write
     from hipress.memory import get_memory
+    from hipress.timeline import Timeline
 
     mem = get_memory("residual")
     x = rng.standard_normal(n).astype(np.float32)
     dec = np.zeros(n, dtype=np.float32)
     job = _FakeJob(np.empty(n, dtype=np.float32))
+    env = TaskEnv(0, world_size, Timeline(False, 0), {})
 
     def ef() -> None:
         c = mem.compensate("secopa.profile", x)
         mem.update("secopa.profile", c, dec)
 
     def write() -> None:
-        _write(job, 0, n, x, world_size)
+        _write(env, job, 0, n, x)
 
     return {"ef": ef, "write": write}
 
@@ -595,6 +599,7 @@ class _FakeJob:
     def __init__(self, out: np.ndarray) -> None:
         self.out = out
         self.average = True
+        self.divisor = 0  # the world size
 
 
 def _run_task(sched: Any, gen: Any) -> None:
@@ -787,9 +792,10 @@ def run_profile(
     # ---- communication: 40 % of the budget, shared evenly by the patterns still to do
     comm_fits: Dict[str, Fit] = {}
     if N > 1:
+        from hipress.comm import MpiTransport
         from hipress.engine.scheduler import Scheduler
 
-        sched = Scheduler(comm, MPI, 1, 120.0)
+        sched = Scheduler(MpiTransport(None, comm, MPI), 1, 120.0)
         comm_end = budget_end - (1.0 - _COMM_SHARE) * time_budget_s
         for j, pattern in enumerate(COMM_PRIMITIVES):
             now = time.perf_counter()

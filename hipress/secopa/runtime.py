@@ -91,6 +91,14 @@ class PlanFollower:
         """
         if self._ready:
             return
+        tx = getattr(self.world, "tx", None)
+        if self.mode != "none" and self.size > 1 and getattr(tx, "name", "mpi") != "mpi":
+            from hipress.errors import ConfigError
+
+            raise ConfigError(
+                f"sync.plan={self.cfg.sync.plan!r} needs the MPI transport (SeCoPa profiles "
+                f"and shares plans over MPI) but this job runs over {tx.name!r}: launch it "
+                "with hipressrun/mpirun, or set sync.plan: none")
         if self.mode == "file":
             self.plan = self._load_plan()
             if self.plan.world_size != self.size and self.rank == 0:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 # Re-exec with a per-rank hash seed so set/dict order differs between ranks.
-_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+_rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
 if os.environ.get("PYTHONHASHSEED") != str(_rank):
     os.environ["PYTHONHASHSEED"] = str(_rank)
     os.execv(sys.executable, [sys.executable] + sys.argv)
@@ -39,7 +39,24 @@ def same_everywhere(value: bytes, tag: str) -> None:
     assert len(set(digests)) == 1, f"{tag}: results differ across ranks: {digests}"
 
 
+class _TorchReference:
+    """``Allreduce`` (sum) through torch.distributed, for jobs on the torch transport."""
+
+    def Allreduce(self, a, out):  # noqa: N802 - mpi4py's spelling
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        t = torch.from_numpy(np.array(a, copy=True))
+        dist.all_reduce(t)
+        out[...] = t.numpy()
+
+
 def mpi_world():
+    """The job's own reference allreduce: MPI's, or torch.distributed's under torchrun."""
+    if hp.api._engine().world.tx.name == "torch":
+        return _TorchReference()
     from mpi4py import MPI
 
     return MPI.COMM_WORLD
@@ -537,8 +554,8 @@ def peer_payload_wrong_size():
 @case
 def shape_mismatch_same_numel():
     """PowerSGD with (100, 200) on rank 0 and (200, 100) on rank 1 (same element count):
-    every rank raises the negotiation's SyncError naming both shapes (it used to end in
-    MPI_ERR_TRUNCATE)."""
+    every rank raises the negotiation's CollectiveArgumentError naming both shapes (it
+    used to end in MPI_ERR_TRUNCATE), and the engine goes on."""
     r = hp.rank()
     shape = (100, 200) if r == 0 else (200, 100)
     g = np.ones(shape, np.float32)
@@ -546,12 +563,96 @@ def shape_mismatch_same_numel():
         out = hp.allreduce(g, "psgd.shape", codec=hp_codec("powersgd", rank=1))
     except Exception as exc:  # noqa: BLE001
         msg = str(exc)
-        assert type(exc).__name__ == "SyncError", repr(exc)
-        assert "ranks disagree about gradient 'psgd.shape'" in msg, msg
+        assert type(exc).__name__ == "CollectiveArgumentError", repr(exc)
+        assert "ranks disagree about allreduce 'psgd.shape'" in msg, msg
         assert "'shape': [100, 200]" in msg and "'shape': [200, 100]" in msg, msg
         print(f"rank {r} MISMATCH {msg}", flush=True)
     else:
         raise AssertionError(f"mismatched shapes were synchronized: {out.shape}")
+    ok = hp.allreduce(np.full(3, r + 1.0, np.float32), "after.shape", op="sum")
+    assert np.array_equal(ok, np.full(3, sum(q + 1.0 for q in range(hp.size())))), ok
+
+
+@case
+def grouped_allreduce_count_mismatch_fails_every_rank():
+    """Rank r groups r+1 tensors under the same names: every rank's call fails with a
+    CollectiveArgumentError naming the group sizes, no name is left waiting (a 5 s stall
+    bound would end the job), and a later grouped allreduce is exact."""
+    from hipress.errors import CollectiveArgumentError
+
+    r, n = hp.rank(), hp.size()
+    if n == 1:
+        return
+    names = [f"gm.{i}" for i in range(r + 1)]
+    try:
+        out = hp.grouped_allreduce([np.ones(2, np.float32)] * (r + 1), names, op="sum")
+    except CollectiveArgumentError as exc:
+        assert "disagree about the group of allreduce 'gm.0'" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"grouped allreduces of different sizes ran: {out}")
+    time.sleep(6.0)  # past the 5 s stall bound: a name left waiting would fail the job
+    got = hp.grouped_allreduce([np.full(2, r + 1.0, np.float32)] * 2, ["gm.a", "gm.b"],
+                               op="sum")
+    want = np.full(2, n * (n + 1) / 2, np.float32)
+    assert all(np.array_equal(g, want) for g in got), got
+
+
+@case
+def broadcast_mismatch_fails_every_rank():
+    """A broadcast whose tensors differ in shape (same bytes) or dtype (same byte size)
+    fails on every rank, naming both; a byte-object broadcast and a good one still work."""
+    from hipress.errors import CollectiveArgumentError
+
+    r, n = hp.rank(), hp.size()
+    if n == 1:
+        return
+    cases = [("bm.shape", np.zeros((2, 3) if r == 0 else (3, 2), np.float32), "[2, 3]"),
+             ("bm.dtype", np.zeros(4, np.float64) if r == 0 else np.zeros(4, np.int64),
+              "'int64'")]
+    for name, arr, want in cases:
+        try:
+            out = hp.broadcast(arr, 0, name)
+        except CollectiveArgumentError as exc:
+            assert f"broadcast {name!r}" in str(exc) and want in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{name}: a mismatched broadcast ran: {out}")
+    assert hp.broadcast_object({"rank": r} if r == 1 else None, 1, "bm.obj") == {"rank": 1}
+    got = hp.broadcast(np.full(3, float(r), np.float32), n - 1, "bm.ok")
+    assert np.array_equal(got, np.full(3, n - 1.0, np.float32)), got
+
+
+@case
+def allreduce_mismatch_fails_every_rank_and_engine_goes_on():
+    """Uncompressed allreduce: same element count but another shape, another dtype, and an
+    integer average refused on one rank only: every rank's handle fails with a
+    CollectiveArgumentError naming the difference; later allreduces are exact."""
+    from hipress.errors import CollectiveArgumentError
+
+    r, n = hp.rank(), hp.size()
+    if n == 1:
+        return  # nothing to disagree with
+    last = n - 1
+    attempts = [
+        ("mm.shape", np.ones((2, 3) if r == 0 else (3, 2), np.float32), "sum",
+         ["'shape': [2, 3]", "'shape': [3, 2]"]),
+        ("mm.dtype", np.ones(4, np.float32 if r == 0 else np.float64), "sum",
+         ["'dtype': 'float32'", "'dtype': 'float64'"]),
+        ("mm.intavg", np.ones(4, np.int64 if r == last else np.float32), "average",
+         [f"rank {last}: op='average' of int64 tensor 'mm.intavg'"]),
+    ]
+    for name, arr, op, wants in attempts:
+        try:
+            out = hp.allreduce(arr, name, op=op, codec="none")
+        except (CollectiveArgumentError, TypeError) as exc:
+            msg = str(exc)
+            if isinstance(exc, TypeError):  # the refusing rank's own, raised at the call
+                assert r == last and name == "mm.intavg", (name, msg)
+                continue
+            assert all(w in msg for w in wants), (name, msg)
+        else:
+            raise AssertionError(f"{name}: mismatched submissions were reduced: {out}")
+    ok = hp.allreduce(np.full(5, r + 1.0, np.float32), "mm.after", op="sum")
+    assert np.array_equal(ok, np.full(5, n * (n + 1) / 2, np.float32)), ok
 
 
 @case
@@ -586,6 +687,37 @@ def many_in_flight_small_tag_space():
         assert np.array_equal(got, want), (i, paths[i % len(paths)], got[:4], want[:4])
     assert tags and max(tags) < 2**14, max(tags)
     assert len({t >> 12 for t in tags}) == 4, sorted({t >> 12 for t in tags})
+
+
+@case
+def negotiation_allgather_sizes():
+    """The negotiation allgather returns every rank's bytes exactly, in rank order.
+
+    Message lengths around the transport's one-collective slot (MPI: an int64 length and
+    ``ALLGATHER_SLOT_BYTES - 8`` bytes): empty, short, exactly full, one byte over, long;
+    rounds where only some ranks overflow take the second phase on every rank.
+    """
+    from hipress import comm
+
+    if hp.api._engine().world.tx.name != "mpi":
+        return
+    from mpi4py import MPI
+
+    ctrl = MPI.COMM_WORLD.Dup()  # not the engine's: its thread negotiates meanwhile
+    r, n = hp.rank(), hp.size()
+    full = comm.ALLGATHER_SLOT_BYTES - 8
+    lengths = [0, 1, full - 1, full, full + 1, 5 * full + 3]
+    for k in range(len(lengths) * 2):
+        def msg(q, k=k):
+            size = lengths[(k + q) % len(lengths)]
+            return bytes((q * 31 + k + i) % 256 for i in range(size))
+
+        req = comm._MpiAllgather(ctrl, MPI, msg(r))
+        got = None
+        while got is None:
+            got = req.test()
+        assert got == [msg(q) for q in range(n)], (k, [len(g) for g in got])
+    ctrl.Free()
 
 
 def hp_rank0():

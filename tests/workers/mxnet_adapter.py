@@ -23,6 +23,7 @@ import behaviour_suite as suite  # noqa: E402
 
 import hipress  # noqa: E402
 import hipress.mxnet as hp  # noqa: E402
+from hipress.mxnet.convert import to_array  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- driver
@@ -79,6 +80,15 @@ class MXDriver(suite.Driver):
 
     def broadcast(self, array, root, name):
         return hp.broadcast(mx.nd.array(array), root, name=name).asnumpy()
+
+    module = hp
+    int_dtypes = (np.int32, np.int64, np.uint8)  # NDArrays have no bool
+
+    def tensor(self, array):
+        return mx.nd.array(array, dtype=array.dtype)
+
+    def numpy(self, t):
+        return t.asnumpy()
 
 
 def _param(name, value):
@@ -172,12 +182,21 @@ def collectives():
     y = mx.nd.array([float(rank)] * 4)
     hp.allreduce_(y, name="mx.ar_")
     assert np.array_equal(y.asnumpy(), np.full(4, sum(range(size)) / size, np.float32)), y
+    # integers: exact sums; an average would truncate and is refused on every adapter
+    out = hp.allreduce(mx.nd.array([1, rank], dtype="int32"), name="mx.int.sum", op=hp.Sum)
+    assert out.dtype == np.int32 and out.asnumpy().tolist() == [size, size * (size - 1) // 2]
     try:
         hp.allreduce(mx.nd.array([1, 2], dtype="int32"), name="mx.int")
     except TypeError as exc:
+        assert "integer average would truncate" in str(exc), exc
+    else:
+        raise AssertionError("an int32 average must be refused")
+    try:  # gradients stay floating: the trainer's conversion refuses integer parameters
+        to_array(mx.nd.array([1, 2], dtype="int32"))
+    except TypeError as exc:
         assert "float16, float32 and float64" in str(exc), exc
     else:
-        raise AssertionError("int32 must be refused")
+        raise AssertionError("int32 gradients must be refused")
 
 
 @extra

@@ -112,6 +112,17 @@ class TFDriver(suite.Driver):
     def broadcast(self, array, root, name):
         return hp.broadcast(tf.constant(array), root, name=name).numpy()
 
+    module = hp
+
+    def tensor(self, array):
+        return tf.constant(array)
+
+    def numpy(self, t):
+        return t.numpy()
+
+    def wrap(self, fn):
+        return tf.function(fn) if self.graph else fn
+
 
 DRIVERS = {"eager": TFDriver(False), "graph": TFDriver(True)}
 

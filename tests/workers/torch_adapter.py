@@ -88,6 +88,14 @@ class TorchDriver(suite.Driver):
     def broadcast(self, array, root, name):
         return hp.broadcast(torch.tensor(array), root, name=name).numpy()
 
+    module = hp
+
+    def tensor(self, array):
+        return torch.from_numpy(np.array(array, copy=True))
+
+    def numpy(self, t):
+        return t.numpy()
+
 
 DRIVERS = {"torch": TorchDriver()}
 
@@ -500,6 +508,63 @@ def gradscaler_overflow():
                                        name=f"amp{bpps}.eq{step}")
             assert all(torch.equal(a, b) for a, b in zip(after, root)), f"step {step} diverged"
         opt.remove_hooks()
+
+
+@case
+def differentiable_collectives():
+    """Autograd through hp.allreduce (sum/average) and hp.allgather, as horovod.torch."""
+    rank, size = hp.rank(), hp.size()
+    y = torch.ones(3, requires_grad=True)
+    z = hp.allreduce(y * (rank + 1), name="diff.sum", op=hp.Sum)
+    assert torch.equal(z.detach(), torch.full((3,), float(size * (size + 1) // 2)))
+    (z * (rank + 1)).sum().backward()
+    # d/dy of sum_r (r+1) * allreduce_sum(y_r (r+1)): rank r gets (r+1) * sum_k (k+1)
+    want = float((rank + 1) * size * (size + 1) // 2)
+    assert torch.equal(y.grad, torch.full((3,), want)), (y.grad, want)
+    y2 = torch.ones(2, requires_grad=True)
+    hp.allreduce(y2 * (rank + 1), name="diff.avg").sum().backward()
+    # the backward averages the incoming gradients (all ones): y2.grad = (rank + 1)
+    assert torch.equal(y2.grad, torch.full((2,), float(rank + 1))), y2.grad
+    x = torch.full((rank + 1, 2), float(rank), requires_grad=True)
+    g = hp.allgather(x, name="diff.ag")
+    assert g.shape == (size * (size + 1) // 2, 2)
+    weights = torch.arange(g.shape[0], dtype=torch.float32)[:, None] * (rank + 1)
+    (g * weights).sum().backward()
+    # averaged over ranks: row i's gradient is i * mean_r (r + 1); this rank gets its rows
+    off = rank * (rank + 1) // 2
+    mean = sum(r + 1 for r in range(size)) / size
+    want = torch.arange(off, off + rank + 1, dtype=torch.float32)[:, None].expand(rank + 1, 2)
+    assert torch.allclose(x.grad, want * mean), (x.grad, want * mean)
+    # no grad needed: plain collectives, no autograd node
+    assert hp.allreduce(torch.ones(2), name="diff.plain").grad_fn is None
+
+
+@case
+def inplace_and_async_collectives():
+    """allreduce_, allreduce_async_, grouped_allreduce_, broadcast_async(_), poll."""
+    rank, size = hp.rank(), hp.size()
+    total = float(size * (size - 1) // 2)
+    t = torch.full((5,), float(rank))
+    assert hp.allreduce_(t, name="ip.ar", op=hp.Sum) is t and t.tolist() == [total] * 5
+    t = torch.full((4, 3), float(rank))
+    h = hp.allreduce_async_(t, name="ip.ara", op=hp.Sum)
+    out = hp.synchronize(h)
+    assert out is t and hp.poll(h) and torch.all(t == total)
+    ts = [torch.full((2,), float(rank)), torch.full((3,), float(rank), dtype=torch.float64)]
+    outs = hp.grouped_allreduce_(ts, name="ip.group", op=hp.Sum)
+    assert outs[0] is ts[0] and outs[1] is ts[1] and all(torch.all(x == total) for x in ts)
+    h = hp.grouped_allreduce_async(ts, name="ip.groupa", op=hp.Sum)
+    new = hp.synchronize(h)
+    assert all(torch.all(x == total * size) for x in new) and all(torch.all(x == total)
+                                                                   for x in ts)
+    b = torch.full((3,), float(rank))
+    got = hp.synchronize(hp.broadcast_async(b, size - 1, name="ip.bca"))
+    assert got.tolist() == [float(size - 1)] * 3 and b.tolist() == [float(rank)] * 3
+    assert hp.synchronize(hp.broadcast_async_(b, size - 1, name="ip.bca_")) is b
+    assert b.tolist() == [float(size - 1)] * 3
+    strided = torch.arange(12.0).reshape(3, 4).t() * (rank + 1)  # not contiguous
+    hp.allreduce_(strided, name="ip.strided", op=hp.Sum)
+    assert torch.equal(strided, torch.arange(12.0).reshape(3, 4).t() * (size * (size + 1) // 2))
 
 
 def _ddp_group():
