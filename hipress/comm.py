@@ -125,8 +125,10 @@ def world(transport: str = "auto") -> World:
 def choose_transport(transport: str = "auto", env: Optional[Mapping[str, str]] = None) -> str:
     """Return ``"mpi"`` or ``"torch"`` for the ``transport`` setting.
 
-    ``auto``: MPI when an MPI launcher started this process (``mpirun``, ``hipressrun``,
-    ``srun``), else torch when ``torch.distributed`` has a default process group (torch
+    ``auto``: torch when ``torchrun`` (torch elastic) started this process, even inside a
+    Slurm or MPI allocation whose variables it inherits (``TORCHELASTIC_RUN_ID`` with
+    ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); else MPI when an MPI
+    launcher started this process (``mpirun``, ``hipressrun``, ``srun``), else torch when ``torch.distributed`` has a default process group (torch
     already imported) or ``torchrun``'s variables (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``, ``MASTER_PORT``) are set, else MPI (a single process).
 
@@ -140,6 +142,10 @@ def choose_transport(transport: str = "auto", env: Optional[Mapping[str, str]] =
         raise ConfigError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if transport != "auto":
         return transport
+    if env.get("TORCHELASTIC_RUN_ID") and all(env.get(k) for k in _TORCHRUN_VARS):
+        # torchrun under sbatch/srun inherits SLURM_PROCID (and maybe PMI variables): the
+        # process group is torchrun's, not a singleton MPI world per process
+        return "torch"
     if launched_by_mpi(env):
         return "mpi"
     dist = sys.modules.get("torch.distributed")

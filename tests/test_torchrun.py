@@ -35,6 +35,12 @@ FAILURES = REPO_ROOT / "tests" / "workers" / "failures.py"
      "torch"),
     ({}, "mpi"),
     ({"WORLD_SIZE": "1"}, "mpi"),
+    # torchrun inside a Slurm job (sbatch or srun) inherits SLURM_PROCID: torchrun wins
+    ({"SLURM_PROCID": "0", "TORCHELASTIC_RUN_ID": "j1", "RANK": "3", "WORLD_SIZE": "8",
+      "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "torch"),
+    ({"SLURM_PROCID": "0", "PMI_SIZE": "2", "TORCHELASTIC_RUN_ID": "j1", "RANK": "1",
+      "WORLD_SIZE": "2", "MASTER_ADDR": "node1", "MASTER_PORT": "29500"}, "torch"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, "mpi"),  # srun python train.py
 ])
 def test_auto_transport_follows_the_launcher(env, want):
     assert choose_transport("auto", env) == want

@@ -36,6 +36,7 @@ import numpy as np
 
 from hipress.backend import (
     CODE_DTYPES,
+    DTYPE_CODES,
     array_module,
     check_collective_dtype,
     check_gradient_dtype,
@@ -267,19 +268,21 @@ class Engine:
         if (isinstance(codec, str) and codec == "none") or (
                 isinstance(codec, Codec) and codec.name == "none"):
             codec = None  # the identity codec is no codec: exact, any collective dtype
-        if codec is None:
-            dt = check_collective_dtype(array.dtype, f"tensor {name!r}")
-            try:
+        try:
+            if codec is None:
+                dt = check_collective_dtype(array.dtype, f"tensor {name!r}")
                 _check_op_dtype(op, dt, name)
-            except TypeError as exc:
-                self._refuse(array, name, op, str(exc))
-                raise
-        else:
-            if op not in ("average", "sum"):
-                raise ValueError(
-                    f"op={op!r} runs uncompressed only (codecs compress sums); pass "
-                    f"codec=None for {name!r}, or use op='sum'/'average'")
-            check_gradient_dtype(array.dtype, f"gradient {name!r}")
+            else:
+                if op not in ("average", "sum"):
+                    raise ValueError(
+                        f"op={op!r} runs uncompressed only (codecs compress sums); pass "
+                        f"codec=None for {name!r}, or use op='sum'/'average'")
+                check_gradient_dtype(array.dtype, f"gradient {name!r}")
+        except (TypeError, ValueError) as exc:
+            # the other ranks may have submitted a valid tensor under this name: they fail
+            # in the same round instead of stalling
+            self._refuse(array, name, op, str(exc))
+            raise
         inplace = bool(inplace) and _writable_contiguous(array)
         if codec is not None:
             self._announce()
@@ -314,6 +317,10 @@ class Engine:
         with self._lock:
             if name in self._inflight:
                 return  # the duplicate-name error is the caller's to see
+        if np.dtype(array.dtype) not in DTYPE_CODES:
+            # the dtype itself was refused: the stand-in carries only the error, so give it
+            # one that negotiation can describe (its data never travels)
+            array = np.empty(0, np.float32)
         sub = _Submission(name=name, array=array, average=False, op=op, codec=None,
                           codec_key="none", strategy=None, contributes=True,
                           handle=Handle(name), kind="allreduce", root=-1, seq=0,
