@@ -128,9 +128,10 @@ def choose_transport(transport: str = "auto", env: Optional[Mapping[str, str]] =
     ``auto``: torch when ``torchrun`` (torch elastic) started this process, even inside a
     Slurm or MPI allocation whose variables it inherits (``TORCHELASTIC_RUN_ID`` with
     ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); else MPI when an MPI
-    launcher started this process (``mpirun``, ``hipressrun``, ``srun``), else torch when ``torch.distributed`` has a default process group (torch
-    already imported) or ``torchrun``'s variables (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``) are set, else MPI (a single process).
+    launcher started this process (``mpirun``, ``hipressrun``, ``srun``); else torch when
+    ``torch.distributed`` has a default process group (torch already imported) or
+    ``torchrun``'s variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
+    are set; else MPI (a single process).
 
     Raises:
         ConfigError: an unknown setting, or variables such as ``WORLD_SIZE=4`` say more

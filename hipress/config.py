@@ -337,7 +337,7 @@ class SyncConfig(BaseModel):
     cycle_time_ms: float = Field(1.0, gt=0, allow_inf_nan=False)
     stall_warning_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     stall_shutdown_s: float = Field(0.0, ge=0, allow_inf_nan=False)
-    compute_threads: int = Field(1, ge=1)
+    compute_threads: int = Field(1, ge=0)
     plan: str = Field("none", min_length=1)
 
     @model_validator(mode="before")

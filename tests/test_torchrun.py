@@ -143,6 +143,16 @@ def test_ddp_hook_trains_digits_under_torchrun():
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("nproc,compression", [(2, "none"), (3, "none"), (2, "onebit")])
+def test_ddp_script_needs_no_hipress_call_but_the_hook(nproc, compression):
+    """init_process_group + DDP + register_comm_hook(make_ddp_hook(...)): HiPress starts
+    itself over DDP's process group; every rank ends bit-identical (exact for none)."""
+    proc, out = _run(nproc, REPO_ROOT / "tests" / "workers" / "ddp_only.py", [compression])
+    assert proc.returncode == 0, out[-3000:]
+    assert _passed(out, "", r"DDPONLY PASS rank \d+ transport torch") == nproc, out[-3000:]
+
+
+@pytest.mark.mpi
 def test_stall_names_the_gradients_under_torchrun():
     t0 = time.monotonic()
     proc, out = _run(2, ENGINE, ["stall_names_missing_rank"], timeout=90, env={"STALL": "2"})

@@ -4,10 +4,14 @@ For users who keep ``torch.nn.parallel.DistributedDataParallel``: DDP still buck
 gradients and overlaps with backward, HiPress does the compression and the transfer::
 
     import hipress.torch as hp
-    hp.init()
-    torch.distributed.init_process_group("gloo")       # hipressrun exports RANK, MASTER_ADDR...
-    model = DDP(model)
+    torch.distributed.init_process_group("gloo")       # torchrun, or hipressrun (it exports
+    model = DDP(model)                                  # RANK, MASTER_ADDR, ...)
     model.register_comm_hook(hp.DDPHookState(model), hp.make_ddp_hook("powersgd", rank=1))
+
+``make_ddp_hook`` initializes HiPress when the script has not (``hipress.init()`` with
+``HIPRESS_CONFIG`` or the defaults): under ``torchrun`` it runs over DDP's default
+process group (two gloo sub-groups of its own, so its traffic never mixes with DDP's),
+under ``hipressrun``/``mpirun`` over MPI. Call ``hp.init(config)`` first to pass a config.
 
 How the hook runs, per bucket:
 
@@ -139,10 +143,24 @@ def make_ddp_hook(
         (pass the model so gradients are named by parameter) or None (a shared default
         state naming gradients by bucket position and shape).
 
+    HiPress is initialized here (``hipress.init()``) if it is not yet, so a DDP script
+    needs no other HiPress call: the transport follows the launcher (torchrun: DDP's
+    default process group; hipressrun/mpirun: MPI).
+
     Raises:
         ValueError: codec parameters without a codec name, or a bad ``op``.
         CodecError: unknown codec name or bad parameters.
+        ConfigError: HiPress was not initialized and ``hipress.init()`` failed (e.g. no
+            launcher recognised although ``WORLD_SIZE`` says several processes).
     """
+    if not hipress.is_initialized():
+        hipress.init()
+    return _build_hook(compression, op, codec_params)
+
+
+def _build_hook(compression: Any, op: str,
+                codec_params: Dict[str, Any]) -> Callable[[Any, Any], torch.futures.Future]:
+    """Build :func:`make_ddp_hook`'s hook (without initializing HiPress)."""
     codec = resolve_codec(compression, codec_params, gradients=True)
     op = check_op(op)
     hipress.api.note_compression("make_ddp_hook", codec)
@@ -187,8 +205,12 @@ def ddp_comm_hook(state: Optional[DDPHookState], bucket):  # noqa: ANN001, ANN20
 
     Returns:
         A ``torch.futures.Future`` completed with the averaged bucket buffer.
+
+    HiPress is initialized at the first call if the script has not done so.
     """
+    if not hipress.is_initialized():
+        hipress.init()
     return _policy_hook(state, bucket)
 
 
-_policy_hook = make_ddp_hook()
+_policy_hook = _build_hook(None, Average, {})

@@ -84,6 +84,9 @@ _DIRECT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 #: training step needs; compute steps wake the thread at once, they are not polled)
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.004
+#: small uncompressed gradients ready on every rank are held until this many bytes of them
+#: can go in one fused allreduce, or a rank waits for a result (Engine._release_fused)
+_FUSION_HOLD_BYTES = 1 << 20
 #: longest interval between negotiation rounds while no rank has new names
 _IDLE_ROUND_MAX_S = 0.05
 
@@ -99,10 +102,17 @@ class Handle:
         self._event = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        #: the engine that runs the operation (set when it is queued): a rank waiting for
+        #: a result tells it so (see :meth:`Engine.flush`)
+        self._engine: Optional[Engine] = None
 
     def done(self) -> bool:
         """Return True once the result (or an error) is available."""
-        return self._event.is_set()
+        if self._event.is_set():
+            return True
+        if self._engine is not None:
+            self._engine.flush()  # polled: held small gradients start in the next round
+        return False
 
     def wait(self, timeout: Optional[float] = None) -> Any:
         """Block until done and return the result.
@@ -111,7 +121,19 @@ class Handle:
             SyncError: the synchronization failed (the cause is chained), or ``timeout``
                 seconds passed.
         """
-        if not self._event.wait(timeout):
+        eng = self._engine
+        if eng is not None and not self._event.is_set():
+            with eng._waiting_lock:
+                eng._waiting += 1
+            eng.flush()
+            try:
+                finished = self._event.wait(timeout)
+            finally:
+                with eng._waiting_lock:
+                    eng._waiting -= 1
+        else:
+            finished = self._event.wait(timeout)
+        if not finished:
             raise SyncError(f"timed out after {timeout} s waiting for {self.name!r}")
         if self._error is not None:
             raise self._error
@@ -201,6 +223,15 @@ class Engine:
         self._join_round: Dict[int, int] = {}
         self._outbox: List[list] = []
         self._poke = threading.Event()  # wakes the engine thread: new work or a finished step
+        self._flush_now = False  # a rank waits for a result: start a round now (flush)
+        self._flush_once = False  # a handle was polled: say "flush" in the next message
+        self._waiting = 0  # threads blocked in Handle.wait on this rank
+        self._waiting_lock = threading.Lock()
+        #: small uncompressed gradients ready on every rank, held for one fused allreduce
+        #: (dtype -> jobs, in agreed order) until enough bytes or a rank waits (_release_fused)
+        self._fuse_pending: Dict[Any, List[T.Job]] = collections.OrderedDict()
+        self._fuse_pending_bytes = 0
+        self._sleeping_long = True  # the engine thread sleeps longer than a poll interval
         self._sched = Scheduler(world.tx, config.sync.compute_threads,
                                 config.sync.stall_limit_s, on_compute_done=self._poke.set)
         # tags: a task id in the high bits, _SUB_BITS for the messages of one task; ids
@@ -815,8 +846,27 @@ class Engine:
             for sub in subs:
                 self._seq += 1
                 sub.seq = self._seq
+                sub.handle._engine = self
                 self._inflight[sub.name] = sub
                 self._queue.append(sub)
+        self._wake.set()
+        # While transfers are in flight the engine wakes every few ms and sees _wake at
+        # its next cycle; waking it for each gradient of a backward pass only costs a
+        # thread switch per gradient. From a long idle sleep it is woken at once.
+        if self._sleeping_long:
+            self._poke.set()
+
+    def flush(self) -> None:
+        """Start the next negotiation round now: a rank waits for (or polls) a result.
+
+        Gradients submitted during the backward pass are negotiated once per
+        ``sync.cycle_time_ms``; when the training loop waits for a result, nothing more
+        will come soon, so the round starts without waiting for the cycle to end, and
+        its message says ``flush``: small gradients held for fusion start in that round
+        on every rank (:meth:`_release_fused`).
+        """
+        self._flush_once = True
+        self._flush_now = True
         self._wake.set()
         self._poke.set()
 
@@ -863,8 +913,10 @@ class Engine:
             now = time.monotonic()
             if phase == 0:
                 wait = _round_interval(cycle, idle_rounds)
-                if now - last_round >= wait or (self._wake.is_set() and now - last_round >= cycle):
+                if (now - last_round >= wait or self._flush_now
+                        or (self._wake.is_set() and now - last_round >= cycle)):
                     self._wake.clear()
+                    self._flush_now = False
                     req = tx.iallgather_bytes(self._make_message())
                     phase, round_start = 1, now
             gathered = req.test() if phase == 1 else None
@@ -917,8 +969,13 @@ class Engine:
                 idle_polls += 1
             else:
                 wait = _round_interval(cycle, idle_rounds)
+            self._sleeping_long = wait > min(cycle, _POLL_MAX_S)
+            # a submission that saw _sleeping_long False set _wake first: do not sleep past it
+            if self._sleeping_long and self._wake.is_set():
+                wait = min(wait, cycle)
             if self._poke.wait(wait):
                 self._poke.clear()
+            self._sleeping_long = False
 
     def _make_message(self) -> bytes:
         new = []
@@ -937,8 +994,10 @@ class Engine:
             queue_empty = not self._queue
             joined = self._join_handle is not None
         bye = (self._shutdown.is_set() and queue_empty and not self._sched.busy
-               and not self._held)
-        msg: Dict[str, Any] = {"new": new, "bye": bye, "joined": joined}
+               and not self._held and not self._fuse_pending)
+        flush = bool(self._waiting or self._flush_once or self._shutdown.is_set() or joined)
+        self._flush_once = False
+        msg: Dict[str, Any] = {"new": new, "bye": bye, "joined": joined, "flush": flush}
         if self._local_error is not None:
             msg["error"] = f"{type(self._local_error).__name__}: {self._local_error}"
         if self.rank == 0:
@@ -1036,6 +1095,7 @@ class Engine:
             started.append(sub)
         if started:
             self._start(started)
+        self._release_fused(any(m.get("flush") for m in msgs))
         if len(joined) == self.size and not self._table:
             self._finish_join(joined)
         return len(started)
@@ -1229,7 +1289,6 @@ class Engine:
 
     def _start(self, subs: List[_Submission]) -> None:
         """Plan ready submissions (in agreed order) and start their task graphs."""
-        fused: Dict[Any, List[T.Job]] = collections.OrderedDict()
         for sub in subs:
             path = self._path(sub)
             job = self._job(sub, path)
@@ -1265,7 +1324,8 @@ class Engine:
                     self._launch(T.direct_task(self.env, job, bounds[p], bounds[p + 1], p, tag),
                                  f"{sub.name}#p{p}", tag)
             elif path == "fused":
-                fused.setdefault(np.dtype(sub.array.dtype), []).append(job)
+                self._fuse_pending.setdefault(np.dtype(sub.array.dtype), []).append(job)
+                self._fuse_pending_bytes += job.flat.nbytes
             elif path == "allreduce":
                 tag = self._next_tag()
                 self._launch(T.summable_task(self.env, job, tag), sub.name, tag)
@@ -1286,6 +1346,22 @@ class Engine:
                     else:
                         gen = T.ring_task(self.env, job, lo, hi, p, tag)
                     self._launch(gen, f"{sub.name}#p{p}", tag)
+
+    def _release_fused(self, flush: bool) -> None:
+        """Start the held small gradients as fused allreduces, if it is time.
+
+        Small uncompressed gradients trickle in over the backward pass (biases, norms);
+        started per round, they made tens of fused allreduces of a few KiB per step, each
+        a chain of latency-bound messages and Python task steps on every rank. They wait
+        instead until :data:`_FUSION_HOLD_BYTES` are ready on every rank, or until some
+        rank's message says ``flush`` (it waits for or polls a result, joins, or shuts
+        down). Every rank decides from the same gathered messages, so all agree.
+        """
+        if not self._fuse_pending or not (
+                flush or self._fuse_pending_bytes >= _FUSION_HOLD_BYTES):
+            return
+        fused, self._fuse_pending = self._fuse_pending, collections.OrderedDict()
+        self._fuse_pending_bytes = 0
         limit = self.cfg.sync.fusion_threshold_bytes
         for jobs in fused.values():
             buckets: List[List[T.Job]] = [[]]
@@ -1404,13 +1480,15 @@ def _describe_stall(stall: List[list], size: int, limit: int = 8) -> str:
 def _finite_flag(sub: _Submission) -> int:
     """Return 0 if a compressed submission holds inf/NaN, else 1 (uncompressed: always 1).
 
-    Only gradients headed for a codec are scanned (about 1 ms per 16 MiB on one core):
+    Only gradients headed for a codec are scanned (one sum, about 1 ms per 20 MiB):
     uncompressed sums carry inf/NaN to every rank by themselves.
     """
     if sub.codec is None or sub.kind != "allreduce" or not sub.contributes:
         return 1
     xp = array_module(sub.array)
-    return int(bool(xp.isfinite(sub.array).all()))
+    # one reduction, no temporary: inf/NaN make the sum non-finite; finite values whose
+    # sum overflows (|sum| > 3e38 in float32) only send this gradient uncompressed once
+    return int(bool(xp.isfinite(sub.array.sum())))
 
 
 def _round_interval(cycle_s: float, idle_rounds: int) -> float:
