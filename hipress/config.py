@@ -324,7 +324,7 @@ class SyncConfig(BaseModel):
             (a rank may legitimately spend minutes on evaluation or a checkpoint);
             finite, >= 0 (Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``). The old key
             ``stall_timeout_s`` is read as this one.
-        compute_threads: threads for encode/decode.
+        compute_threads: threads for encode/decode; 0 runs them inline on the engine thread.
         plan: ``none``, ``auto`` or the path of a SeCoPa plan file.
     """
 
