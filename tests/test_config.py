@@ -106,7 +106,7 @@ def test_unknown_keys_in_sync_cluster_job_logging():
          "sync.cycle_time_ms: expected a finite number, got inf"),
         ({"sync": {"cycle_time_ms": -1.0}}, "sync.cycle_time_ms: expected a value > 0"),
         ({"sync": {"partitions": 0}}, "sync.partitions: expected a value >= 1, got 0"),
-        ({"sync": {"compute_threads": 0}}, "sync.compute_threads: expected a value >= 1"),
+        ({"sync": {"compute_threads": -1}}, "sync.compute_threads: expected a value >= 0"),
         ({"sync": {"strategy": "allreduce"}},
          "sync.strategy: expected one of 'auto', 'ps' or 'ring', got 'allreduce'"),
         ({"compression": {"memory": "ef"}},
