@@ -165,7 +165,7 @@ def _abort(eng: Engine) -> None:
     code = 130 if isinstance(exc, KeyboardInterrupt) else 1
     from hipress.errors import PeerFailure
 
-    if isinstance(exc, PeerFailure):
+    if isinstance(exc, PeerFailure) or isinstance(exc.__cause__, PeerFailure):
         # a consequence of another rank's failure: give that rank a moment to be reported
         # first (mpirun names the first rank to exit), then go
         time.sleep(2.0)

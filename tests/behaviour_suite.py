@@ -791,3 +791,18 @@ def run_cases(
             print(f"PASS {name} rank {hipress.rank()}", flush=True)
     sys.stdout.flush()
     return 1 if failed else 0
+
+
+def worker_main(hp, extra: Mapping[str, Callable[[], None]]) -> None:
+    """Entry point of the Horovod-compat workers: init, run argv[1]'s cases, exit.
+
+    ``hp`` is the adapter module (``hipress.torch``, ``.tensorflow``, ``.mxnet``), started
+    with every tensor compressible and a 20 s stall limit; the process exits with
+    :func:`run_cases`' status.
+    """
+    names = sys.argv[1].split(",")
+    hp.init({"compression": {"min_compress_bytes": 0}, "sync": {"stall_timeout_s": 20},
+             "logging": {"level": "WARNING"}})
+    status = run_cases(names, {}, extra)
+    hp.shutdown()
+    sys.exit(status)

@@ -829,7 +829,10 @@ class Engine:
     # ------------------------------------------------------------------ internals
     def _check_alive(self) -> None:
         if self._error is not None:
-            raise SyncError(f"HiPress engine failed earlier: {self._error}") from self._error
+            # another rank's failure stays a PeerFailure: the exit hook then lets the rank
+            # that caused it be reported first, whichever call saw it
+            cls = PeerFailure if isinstance(self._error, PeerFailure) else SyncError
+            raise cls(f"HiPress engine failed earlier: {self._error}") from self._error
         if self._shutdown.is_set():
             raise SyncError("HiPress is shut down; call hipress.init() first")
 

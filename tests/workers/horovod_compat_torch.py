@@ -336,12 +336,7 @@ def unsupported_arguments():
 
 
 def main():
-    names = sys.argv[1].split(",")
-    hp.init({"compression": {"min_compress_bytes": 0}, "sync": {"stall_timeout_s": 20},
-             "logging": {"level": "WARNING"}})
-    status = suite.run_cases(names, {}, CASES)
-    hp.shutdown()
-    sys.exit(status)
+    suite.worker_main(hp, CASES)
 
 
 if __name__ == "__main__":
