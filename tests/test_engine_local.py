@@ -177,3 +177,19 @@ def test_tag_bits_use_the_whole_mpi_tag_range(tag_ub, bits):
 
     assert tag_bits_for(tag_ub) == bits
     assert 2**bits - 1 <= tag_ub < 2**(bits + 1) - 1
+
+
+def test_finite_flag_does_not_overflow_on_large_half_precision_gradients():
+    """A float16 sum of 1M x 0.1 is inf; the check accumulates in float32, so a finite
+    gradient stays compressible and only a real inf/NaN is flagged."""
+    from types import SimpleNamespace
+
+    from hipress.engine.engine import _finite_flag
+
+    x = np.full(1_000_000, 0.1, np.float16)
+    sub = SimpleNamespace(codec=object(), kind="allreduce", contributes=True, array=x)
+    assert _finite_flag(sub) == 1
+    x[123] = np.nan
+    assert _finite_flag(sub) == 0
+    x[123] = np.inf
+    assert _finite_flag(sub) == 0

@@ -223,8 +223,9 @@ class Engine:
         self._join_round: Dict[int, int] = {}
         self._outbox: List[list] = []
         self._poke = threading.Event()  # wakes the engine thread: new work or a finished step
-        self._flush_now = False  # a rank waits for a result: start a round now (flush)
-        self._flush_once = False  # a handle was polled: say "flush" in the next message
+        #: a rank waits for or polls a result: start the next round now and say "flush"
+        #: in its message (cleared by _make_message)
+        self._flush_once = False
         self._waiting = 0  # threads blocked in Handle.wait on this rank
         self._waiting_lock = threading.Lock()
         #: small uncompressed gradients ready on every rank, held for one fused allreduce
@@ -869,7 +870,6 @@ class Engine:
         on every rank (:meth:`_release_fused`).
         """
         self._flush_once = True
-        self._flush_now = True
         self._wake.set()
         self._poke.set()
 
@@ -916,10 +916,9 @@ class Engine:
             now = time.monotonic()
             if phase == 0:
                 wait = _round_interval(cycle, idle_rounds)
-                if (now - last_round >= wait or self._flush_now
+                if (now - last_round >= wait or self._flush_once
                         or (self._wake.is_set() and now - last_round >= cycle)):
                     self._wake.clear()
-                    self._flush_now = False
                     req = tx.iallgather_bytes(self._make_message())
                     phase, round_start = 1, now
             gathered = req.test() if phase == 1 else None
@@ -1489,9 +1488,10 @@ def _finite_flag(sub: _Submission) -> int:
     if sub.codec is None or sub.kind != "allreduce" or not sub.contributes:
         return 1
     xp = array_module(sub.array)
-    # one reduction, no temporary: inf/NaN make the sum non-finite; finite values whose
-    # sum overflows (|sum| > 3e38 in float32) only send this gradient uncompressed once
-    return int(bool(xp.isfinite(sub.array.sum())))
+    # one reduction, no temporary, accumulated in float32 at least (a float16 sum of a
+    # large gradient would overflow): inf/NaN make the sum non-finite; finite values
+    # whose sum overflows (|sum| > 3e38) only send this gradient uncompressed once
+    return int(bool(xp.isfinite(sub.array.sum(dtype=compute_dtype(sub.array.dtype)))))
 
 
 def _round_interval(cycle_s: float, idle_rounds: int) -> float:
