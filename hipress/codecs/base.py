@@ -29,6 +29,8 @@ import abc
 import dataclasses
 import math
 import struct
+import threading
+import weakref
 from typing import Any, Callable, ClassVar, Dict, Generator, List, Optional, Sequence, Tuple, Type
 
 import numpy as np
@@ -245,6 +247,16 @@ class Codec(abc.ABC):
     mergeable: ClassVar[bool] = True
     #: memory the engine uses under ``compression.memory: auto`` when error_feedback is set
     default_memory: ClassVar[str] = "residual"
+    #: CompLL spec (``hipress/compll/specs/<name>.hpc``) whose generated kernels compute
+    #: this codec's payloads bit for bit (checked on the CPU by tests/test_device_kernels.py):
+    #: :meth:`encode` and :meth:`decode` of device (CuPy) arrays of :attr:`device_dtypes`
+    #: run those kernels instead of this class's NumPy-style code (see :meth:`_device_codec`)
+    device_kernels: ClassVar[Optional[str]] = None
+    #: gradient dtypes routed to :attr:`device_kernels` (the kernels read float32; half
+    #: precision is widened exactly, float64 is not and stays on this class's code)
+    device_dtypes: ClassVar[Tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    #: parameters that belong to the codec's error-feedback memory, not to its kernels
+    device_params_skip: ClassVar[Tuple[str, ...]] = ()
 
     def bind(self, rank: int, world_size: int) -> None:  # noqa: B027 - optional hook
         """Tell the codec which rank it runs on (the engine calls this once).
@@ -278,7 +290,7 @@ class Codec(abc.ABC):
             return Payload(self.codec_id, dt, shape, ())
         xp = array_module(x)
         flat = xp.ascontiguousarray(x).reshape(-1)
-        sections = self._encode(flat, shape, name)
+        sections = (self._device_codec(xp, dt) or self)._encode(flat, shape, name)
         return Payload(self.codec_id, dt, shape, tuple(sections))
 
     def decode(self, payload: Payload, numel: Optional[int] = None) -> Any:
@@ -315,8 +327,34 @@ class Codec(abc.ABC):
                 raise PayloadError("payload of a 0-element gradient must have no sections")
             return np.zeros(payload.shape, dtype=payload.dtype)
         self._check_sections(payload)
-        out = self._decode(payload.sections, payload.shape, payload.dtype)
+        fast = self._device_codec(array_module(payload.sections[0]), payload.dtype)
+        out = (fast or self)._decode(payload.sections, payload.shape, payload.dtype)
         return out.reshape(payload.shape)
+
+    def _device_codec(self, xp: Any, dtype: Any) -> Optional[Codec]:
+        """Return the generated CompLL codec that runs this codec on ``xp``'s device, or None.
+
+        The paper's point (and the H200 figures in bench/README.md): a codec must run as
+        fused device kernels, while this class's array code launches a kernel per NumPy
+        operation (onebit encoded at 2.7 GB/s that way, its CompLL kernels at 757 GB/s and
+        more). So device arrays of a codec with :attr:`device_kernels` are encoded and
+        decoded by ``compll.<device_kernels>`` built with this codec's parameters (less
+        :attr:`device_params_skip`); it shares this codec's step counters and rank, so
+        the random streams and the checkpointed state are this codec's. Payloads keep this
+        codec's id. NumPy arrays, other dtypes, and a CompLL spec that fails to load (its
+        error logged once) stay on this class's code.
+        """
+        if (self.device_kernels is None or not _routes_to_device(xp)
+                or np.dtype(dtype).name not in self.device_dtypes):
+            return None
+        fast = _DEVICE_CODECS.get(self)
+        if fast is None:
+            fast = _make_device_codec(self)
+            if fast is None:
+                return None
+        if hasattr(self, "rank"):
+            fast.rank = self.rank  # set by bind(), which may follow the first encode
+        return fast
 
     # ------------------------------------------------- fused kernels (optional)
     def encode_residual(self, x: Any, residual: Any, name: str = "") -> Optional[Payload]:
@@ -474,6 +512,42 @@ class Codec(abc.ABC):
 # --------------------------------------------------------------------------- registry
 _REGISTRY: Dict[str, Type[Codec]] = {}
 _BY_ID: Dict[int, Type[Codec]] = {}
+
+
+def _routes_to_device(xp: Any) -> bool:
+    """Whether arrays of module ``xp`` run a codec's :attr:`Codec.device_kernels` (CuPy)."""
+    return xp is not np
+
+
+#: generated codec standing in for each codec instance on the device (off the instance's
+#: ``__dict__``, so pickled codecs and checkpoints do not carry it)
+_DEVICE_CODECS: weakref.WeakKeyDictionary[Codec, Codec] = weakref.WeakKeyDictionary()
+_DEVICE_LOCK = threading.Lock()
+_DEVICE_FAILED: Dict[str, str] = {}
+
+
+def _make_device_codec(codec: Codec) -> Optional[Codec]:
+    """Build (once per codec instance) the CompLL codec of :meth:`Codec._device_codec`."""
+    import logging
+
+    spec = codec.device_kernels
+    with _DEVICE_LOCK:
+        fast = _DEVICE_CODECS.get(codec)
+        if fast is not None or spec in _DEVICE_FAILED:
+            return fast
+        params = {k: v for k, v in codec.params().items() if k not in codec.device_params_skip}
+        try:  # by name: the registry's loaders build it (this package never imports CompLL)
+            fast = get_codec(f"compll.{spec}", **params)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the hand-written code
+            _DEVICE_FAILED[spec] = str(exc)
+            logging.getLogger(__name__).warning(
+                "codec %r runs its array code on the device: its CompLL kernels "
+                "(compll.%s) did not load: %s", codec.name, spec, exc)
+            return None
+        if hasattr(codec, "_next_step"):
+            fast._next_step = codec._next_step  # one set of step counters: the codec's
+        _DEVICE_CODECS[codec] = fast
+        return fast
 
 
 def register_codec(name: str, codec_id: int) -> Callable[[Type[Codec]], Type[Codec]]:

@@ -115,6 +115,8 @@ class DGCCodec(ThresholdSparsifier):
 
     #: Memory the engine should pair with this codec under ``memory: auto``.
     default_memory: ClassVar[str] = "dgc"
+    device_kernels = "dgc"
+    device_params_skip = ("momentum", "clip_norm")
 
     def __init__(self, ratio: float = 0.001, sample_ratio: float = 0.01, momentum: float = 0.9,
                  clip_norm: Optional[float] = None, seed: int = 0) -> None:

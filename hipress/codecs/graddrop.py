@@ -134,6 +134,9 @@ class ThresholdSparsifier(StepCounterMixin, Codec):
     error_feedback = True
     #: A sum of sparse payloads is denser than one payload: the engine gathers them.
     mergeable = False
+    #: the kept values travel in the gradient's dtype; the CompLL kernels send float32
+    #: values, so only float32 gradients run them
+    device_dtypes = ("float32",)
 
     seed: int
     sample_ratio: float
@@ -187,6 +190,8 @@ class GradDropCodec(ThresholdSparsifier):
     Raises:
         CodecError: a parameter is out of range.
     """
+
+    device_kernels = "graddrop"
 
     def __init__(self, drop_ratio: float = 0.99, sample_ratio: float = 0.001,
                  seed: int = 0) -> None:

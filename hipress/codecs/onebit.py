@@ -128,6 +128,7 @@ class OneBitCodec(Codec):
 
     error_feedback = True
     use_fast_path = True
+    device_kernels = "onebit"
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters (none)."""

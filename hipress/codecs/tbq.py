@@ -81,6 +81,7 @@ class TBQCodec(Codec):
     """
 
     error_feedback = True
+    device_kernels = "tbq"
     use_fast_path = True
 
     def __init__(self, threshold: float = 0.01) -> None:

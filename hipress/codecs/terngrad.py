@@ -98,6 +98,7 @@ class TernGradCodec(SeededStreamMixin, Codec):
 
     summable = True
     stochastic = True
+    device_kernels = "terngrad"
     use_fast_path = True
 
     def __init__(self, seed: int = 0) -> None:
