@@ -1,7 +1,8 @@
 """Synchronization baselines HiPress is measured against, written the way those systems work.
 
 - :func:`horovod_allreduce` — uncompressed, tensors fused into buckets (64 MiB by
-  default), one MPI ``Allreduce`` per bucket (Horovod's tensor fusion).
+  default), one MPI ``Allreduce`` per bucket (Horovod's tensor fusion);
+  :func:`gloo_allreduce` the same over ``torch.distributed`` (gloo).
 - :func:`grace_allgather` — GRACE (Xu et al., ICDCS 2021) as published: per tensor,
   compress (with its residual memory), allgather the payloads, decompress each rank's copy
   and sum; synchronous, one tensor at a time.
@@ -29,7 +30,35 @@ def horovod_allreduce(comm: Any, grads: Dict[str, np.ndarray],
     """Average ``grads`` with MPI Allreduce over fused buckets (Horovod tensor fusion)."""
     from mpi4py import MPI
 
-    n = comm.Get_size()
+    def reduce(buf: np.ndarray) -> None:
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    return _fused_average(grads, comm.Get_size(), reduce, fusion_bytes)
+
+
+def gloo_allreduce(grads: Dict[str, np.ndarray],
+                   fusion_bytes: int = 64 << 20) -> Dict[str, np.ndarray]:
+    """:func:`horovod_allreduce` with ``torch.distributed.all_reduce`` on the default group.
+
+    The uncompressed baseline of the torch transport (Horovod's ``--gloo``, or DDP's
+    allreduce without its bucketing overlap): needs an initialized gloo process group.
+    """
+    import torch
+    import torch.distributed as dist
+
+    def reduce(buf: np.ndarray) -> None:
+        dist.all_reduce(torch.from_numpy(buf))
+
+    return _fused_average(grads, dist.get_world_size(), reduce, fusion_bytes)
+
+
+def _fused_average(grads: Dict[str, np.ndarray], n: int, reduce: Any,
+                   fusion_bytes: int) -> Dict[str, np.ndarray]:
+    """Average ``grads`` bucket by bucket (Horovod's tensor fusion).
+
+    Concatenates the gradients into buckets of at most ``fusion_bytes``, sums each in
+    place with ``reduce(buf)``, divides by ``n`` and returns the averaged views by name.
+    """
     names = list(grads)
     out: Dict[str, np.ndarray] = {}
     i = 0
@@ -41,7 +70,7 @@ def horovod_allreduce(comm: Any, grads: Dict[str, np.ndarray],
             size += grads[names[i]].nbytes
             i += 1
         buf = np.concatenate([grads[k].reshape(-1) for k in bucket])
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        reduce(buf)
         buf /= n
         pos = 0
         for k in bucket:

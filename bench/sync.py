@@ -18,8 +18,9 @@ Usage (launches mpirun itself)::
 
 ``--transports mpi,torch`` runs the HiPress rows once per transport in one invocation:
 under ``mpirun`` (MPI) and under ``torchrun`` (torch.distributed gloo), then prints each
-row's torch/MPI time ratio. The baselines need MPI and run in the MPI job only;
-``hipress-none`` (HiPress's uncompressed allreduce) runs under both.
+row's torch/MPI time ratio. ``horovod`` runs under both (MPI ``Allreduce``, or gloo's
+``all_reduce`` on a default group of the torch job: the ratio of the two is the libraries'
+own difference on this machine); the other baselines need MPI and run in the MPI job only.
 
 Each time is the slowest rank's, median over ``--iters`` after ``--warmup`` iterations.
 """
@@ -214,9 +215,15 @@ def worker(args: argparse.Namespace) -> None:
     rank, n = hp.rank(), hp.size()
     systems = args.systems.split(",")
     if args.transport == "torch":
+        import torch.distributed as dist
+        from baselines import gloo_allreduce
+
         comm = _EngineComm(hp)
-        systems = [s for s in systems if s.startswith("hipress")]  # baselines need MPI
-        horovod_allreduce = None
+        # the fused uncompressed baseline runs on gloo (a default group of its own); the
+        # other baselines are written for MPI
+        systems = [s for s in systems if s.startswith("hipress") or s == "horovod"]
+        if "horovod" in systems and not dist.is_initialized():
+            dist.init_process_group("gloo")
     else:
         from baselines import BytePSNonPipelined, GraceAllgather, horovod_allreduce
         from mpi4py import MPI
@@ -246,8 +253,9 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             print(f"--- {model}: {len(grads)} tensors, {mib:.1f} MiB", flush=True)
         if "horovod" in systems:
-            report(model, "horovod", "none",
-                   timed(comm, partial(horovod_allreduce, comm, grads), args.iters, args.warmup))
+            fused = (partial(gloo_allreduce, grads) if args.transport == "torch"
+                     else partial(horovod_allreduce, comm, grads))
+            report(model, "horovod", "none", timed(comm, fused, args.iters, args.warmup))
         if "hipress-none" in systems:
             label = f"{model}/hipress-none"
             report(model, "hipress-none", "none",
