@@ -9,7 +9,9 @@ For every codec and strategy it synchronizes the same gradient once as a CuPy ar
 once as a NumPy array, and checks that the CuPy result stays on the GPU with the input's
 shape and dtype and equals the NumPy result (bit for bit for deterministic codecs, in
 distribution for stochastic ones, whose GPU random streams may differ). Prints PASS/FAIL
-per case and exits non-zero on any FAIL.
+per case and exits non-zero on any FAIL. When torch sees the GPU, the PyTorch adapter runs
+too: float32, float16 and bfloat16 CUDA tensors, exact and onebit, against the same
+tensors on the CPU (bfloat16 CUDA gradients cross to CuPy as float32).
 """
 
 from __future__ import annotations
@@ -75,10 +77,57 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - report every case
             failures += 1
             print(f"FAIL {codec:9s} {str(strategy):5s} {type(exc).__name__}: {exc}", flush=True)
+    torch_failures, torch_cases = torch_checks(g_host, rank)
     hp.shutdown()
     if rank == 0:
         print(f"{len(CASES) - failures}/{len(CASES)} engine GPU cases passed (world size {n})")
-    return 1 if failures else 0
+        if torch_cases:
+            print(f"{torch_cases - torch_failures}/{torch_cases} torch CUDA cases passed")
+    return 1 if failures or torch_failures else 0
+
+
+def torch_checks(g_host: np.ndarray, rank: int):
+    """The PyTorch adapter with CUDA tensors (float32, float16, bfloat16), if torch sees one.
+
+    Each dtype's CUDA tensor is allreduced (exact, and onebit in place) and compared with
+    the same tensor on the CPU: bit for bit for exact sums, within onebit's GPU-summed
+    means (relative 1e-5) otherwise; the result stays on the GPU in the input's dtype.
+    Returns (failures, cases); (0, 0) when torch or CUDA is missing (said so).
+    """
+    try:
+        import torch
+
+        import hipress.torch as hpt
+    except ImportError as exc:
+        print(f"NOTE: torch CUDA cases skipped: {exc}", flush=True)
+        return 0, 0
+    if not torch.cuda.is_available():
+        print("NOTE: torch CUDA cases skipped: torch sees no CUDA device", flush=True)
+        return 0, 0
+    failures = cases = 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for codec in (None, "onebit"):
+            cases += 1
+            label = f"torch/{str(dtype).replace('torch.', '')}/{codec}"
+            try:
+                host = torch.from_numpy(g_host).to(dtype)
+                dev = host.cuda()
+                ref = hpt.allreduce_(host.clone(), name=label + "/cpu", compression=codec)
+                out = hpt.allreduce_(dev, name=label + "/gpu", compression=codec)
+                torch.cuda.synchronize()
+                assert out.device.type == "cuda" and out.dtype == dtype, (out.device, out.dtype)
+                got = out.cpu()
+                if codec is None:
+                    ok = torch.equal(got, ref)
+                else:
+                    ok = torch.allclose(got.float(), ref.float(), rtol=1e-5, atol=1e-6)
+            except Exception as exc:  # noqa: BLE001 - report every case
+                ok = False
+                print(f"FAIL {label} {type(exc).__name__}: {exc}", flush=True)
+            failures += not ok
+            if rank == 0:
+                print(f"{'PASS' if ok else 'FAIL'} {label}", flush=True)
+    return failures, cases
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@
   which NumPy lacks, is viewed as int16 and reinterpreted as ``hipress.backend.bfloat16``
   (``ml_dtypes``), still without a copy.
 - CUDA tensors become CuPy arrays through DLPack (``cupy.from_dlpack``), which also orders
-  the CuPy stream after the tensor's producer stream.
+  the CuPy stream after the tensor's producer stream. bfloat16 CUDA tensors (CuPy has no
+  bfloat16) cross as a float32 copy (exact widening, one device pass); results come back
+  rounded to bfloat16 by the callers' copy into the tensor (``from_array(..., like=t)``),
+  since the copy never shares the tensor's memory.
 - Arrays come back through ``torch.from_numpy`` / ``torch.from_dlpack``.
 
 The NumPy array keeps the tensor alive (it is the array's base), so a submitted gradient
@@ -30,11 +33,11 @@ def to_array(tensor: torch.Tensor) -> Any:
 
     Returns:
         ``numpy.ndarray`` or ``cupy.ndarray`` of the same shape, strides and dtype
-        (bfloat16 as ``ml_dtypes.bfloat16``).
+        (bfloat16 as ``ml_dtypes.bfloat16`` on the CPU; on CUDA a float32 copy, which
+        :func:`shares_memory` reports as not the tensor's memory).
 
     Raises:
-        TypeError: a sparse tensor, a device other than CPU/CUDA, or a bfloat16 CUDA tensor
-            (CuPy has no bfloat16; cast it to float32 or float16).
+        TypeError: a sparse tensor, or a device other than CPU/CUDA.
     """
     t = tensor.detach()
     if t.layout != torch.strided:
@@ -48,12 +51,10 @@ def to_array(tensor: torch.Tensor) -> Any:
             return t.view(torch.int16).numpy().view(bfloat16)
         return t.numpy()
     if t.device.type == "cuda":
-        if t.dtype == torch.bfloat16:
-            raise TypeError(
-                "bfloat16 CUDA tensors cannot cross to CuPy, which has no bfloat16 dtype; "
-                "keep gradients in float32/float16 on the GPU or move them to the CPU"
-            )
         import cupy
+
+        if t.dtype == torch.bfloat16:
+            return cupy.from_dlpack(t.float())  # CuPy has no bfloat16: widen (exact)
 
         return cupy.from_dlpack(t)
     raise TypeError(f"tensors on device {t.device} are not supported; use the CPU or CUDA")
