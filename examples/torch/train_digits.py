@@ -53,6 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--ddp", action="store_true",
                         help="wrap the model in DistributedDataParallel with HiPress's comm "
                              "hook instead of hipress.torch.DistributedOptimizer")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default) or cuda: model, data and gradients on GPU "
+                             "local_rank (ranks of a host share its GPUs round robin)")
     return parser.parse_args(argv)
 
 
@@ -102,10 +105,20 @@ def main(argv=None) -> float:
     hp.init(**config_overrides(args))
     rank, size = hp.rank(), hp.size()
 
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device (torch "
+                             f"{torch.__version__}); run on a GPU machine or use --device cpu")
+        device = torch.device("cuda", hp.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    elif args.device != "cpu":
+        raise SystemExit(f"--device {args.device!r}: use cpu or cuda")
     x_tr, y_tr, x_te, y_te = load_data(args.test_fraction, args.seed)
     (x_tr, y_tr), (x_te, y_te) = to_tensors(x_tr, y_tr), to_tensors(x_te, y_te)
+    x_tr, y_tr, x_te, y_te = (t.to(device) for t in (x_tr, y_tr, x_te, y_te))
     torch.manual_seed(args.seed)
-    model = DigitsCNN()
+    model = DigitsCNN().to(device)
     if args.ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -135,7 +148,7 @@ def main(argv=None) -> float:
     start = time.perf_counter()
     acc = 0.0
     for epoch in range(1, args.epochs + 1):
-        idx = shard(len(x_tr), epoch, args.seed, rank, size)
+        idx = shard(len(x_tr), epoch, args.seed, rank, size).to(device)
         batches = torch.split(idx, args.batch_size)
         it = batches
         if progress is not None:
