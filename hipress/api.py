@@ -68,7 +68,7 @@ def init(config: Any = None, **overrides: Any) -> None:
         _tune_malloc()
         world = comm.world(cfg.transport)
         _install_excepthook()
-        _ENGINE = Engine(cfg, world)
+        _ENGINE = Engine(cfg, world, _planner(cfg, world))
         for source, codec in _PENDING_NOTES:
             _ENGINE.note_compression(source, codec)
         if world.rank == 0:
@@ -93,6 +93,20 @@ def _shutdown_at_exit() -> None:
     shutdown()
     if _UNCLEAN:
         gc.freeze()
+
+
+def _planner(cfg: Any, world: Any) -> Any:
+    """Return SeCoPa's plan follower when ``sync.plan`` asks for a plan, else None.
+
+    None gives the engine its fixed policy; SeCoPa (which profiles by driving the engine's
+    task graphs) is imported only when a plan is asked for.
+    """
+    if str(cfg.sync.plan).strip().lower() == "none":
+        return None
+    from hipress.engine.engine import build_codec
+    from hipress.secopa.runtime import PlanFollower
+
+    return PlanFollower(cfg, world, build_codec)
 
 
 def _tune_malloc() -> None:

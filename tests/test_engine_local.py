@@ -17,7 +17,7 @@ from hipress.codecs import get_codec
 from hipress.comm import World
 from hipress.config import config_from_dict
 from hipress.engine.engine import Engine
-from hipress.errors import HiPressError
+from hipress.errors import ConfigError, HiPressError
 from hipress.memory import get_memory
 
 
@@ -193,3 +193,33 @@ def test_finite_flag_does_not_overflow_on_large_half_precision_gradients():
     assert _finite_flag(sub) == 0
     x[123] = np.inf
     assert _finite_flag(sub) == 0
+
+
+def test_engine_imports_no_secopa_and_refuses_a_plan_without_a_planner():
+    import ast
+    import pathlib
+
+    from hipress.engine.planning import Decision, FixedPolicy
+
+    engine_dir = pathlib.Path(__file__).resolve().parent.parent / "hipress" / "engine"
+    for path in sorted(engine_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            assert not any(m.startswith("hipress.secopa") for m in mods), (path.name, mods)
+    with pytest.raises(ConfigError, match="needs SeCoPa's planner"):
+        make_engine(sync={"plan": "auto"})
+    cfg = config_from_dict({"compression": {"min_compress_bytes": 1024},
+                            "sync": {"partition_bytes": 1000}})
+    policy = FixedPolicy(cfg)
+    onebit = get_codec("onebit")
+    assert policy.decide("g", np.zeros(100, np.float32), onebit, None) == Decision(
+        False, 1, "auto")
+    assert policy.decide("g", np.zeros(1000, np.float32), onebit, "ps") == Decision(
+        True, 4, "ps")
+    assert policy.decide("g", np.zeros(1000, np.float32), None, "ps") == Decision(
+        False, 1, "ps")

@@ -47,16 +47,17 @@ from hipress.backend import (
 from hipress.codecs import Codec, get_codec
 from hipress.config import summarize_effective
 from hipress.engine import tasks as T
+from hipress.engine.planning import FixedPolicy, GradientPlanner
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
 from hipress.errors import (
     CollectiveArgumentError,
+    ConfigError,
     HiPressError,
     PeerFailure,
     StallError,
     SyncError,
 )
 from hipress.memory import Memory, get_memory
-from hipress.secopa.runtime import PlanFollower
 from hipress.timeline import Timeline, write_trace
 
 logger = logging.getLogger(__name__)
@@ -167,9 +168,16 @@ class Engine:
     Args:
         config: a :class:`hipress.config.HiPressConfig`.
         world: the :class:`hipress.comm.World` to run in.
+        planner: decides compress / partitions / path per gradient
+            (:class:`hipress.engine.planning.GradientPlanner`); None means the fixed
+            policy, :class:`~hipress.engine.planning.FixedPolicy`.
+
+    Raises:
+        ConfigError: ``sync.plan`` asks for a plan but no planner was given.
     """
 
-    def __init__(self, config: Any, world: Any) -> None:
+    def __init__(self, config: Any, world: Any,
+                 planner: Optional[GradientPlanner] = None) -> None:
         self.cfg = config
         self.world = world
         self.rank, self.size = world.rank, world.size
@@ -248,8 +256,15 @@ class Engine:
         self._tids_busy: set = set()
         self._held: Deque[Tuple[int, Any, str]] = collections.deque()
         self._warned_tags = False
-        # SeCoPa (sync.plan): collective on every rank, before the engine thread starts
-        self._plan = PlanFollower(config, world, _build_codec)
+        # the planner (sync.plan): collective on every rank, before the engine thread starts
+        if planner is None:
+            if str(config.sync.plan).strip().lower() != "none":
+                raise ConfigError(
+                    f"sync.plan={config.sync.plan!r} needs SeCoPa's planner, which "
+                    "hipress.init() builds: start HiPress with hipress.init(), or pass "
+                    "planner=hipress.secopa.PlanFollower(config, world, build_codec)")
+            planner = FixedPolicy(config)
+        self._plan: GradientPlanner = planner
         self._plan.setup()
         if self.size + 2 > (1 << _SUB_BITS):
             raise HiPressError(f"world size {self.size} exceeds {(1 << _SUB_BITS) - 2}")
@@ -672,7 +687,7 @@ class Engine:
                 why = None
             if why is not None:
                 self._codec(_codec_key(algo, params),
-                            lambda: _build_codec(algo, params))  # validates the name once
+                            lambda: build_codec(algo, params))  # validates the name once
                 return None, "none", why
         else:
             algo = str(codec)
@@ -680,7 +695,7 @@ class Engine:
             if algo == "none":
                 return None, "none", None
         key = _codec_key(algo, params)
-        return self._codec(key, lambda: _build_codec(algo, params)), key, None
+        return self._codec(key, lambda: build_codec(algo, params)), key, None
 
     def _codec(self, key: str, make: Any = None) -> Codec:
         """Return the engine's codec under ``key``; on first use ``make()`` it and bind it.
@@ -694,7 +709,7 @@ class Engine:
         """
         codec = self._codecs.get(key)
         if codec is None:
-            codec = make() if make is not None else _build_codec(*_split_key(key))
+            codec = make() if make is not None else build_codec(*_split_key(key))
             codec.bind(self.rank, self.size)
             with self._lock:
                 codec = self._codecs.setdefault(key, codec)
@@ -1682,7 +1697,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _build_codec(algo: str, params: Dict[str, Any]) -> Codec:
+def build_codec(algo: str, params: Dict[str, Any]) -> Codec:
     """Build a codec from a registered name or a CompLL spec path (``*.hpc``)."""
     if algo.endswith(".hpc"):
         from hipress import compll

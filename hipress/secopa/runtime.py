@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from hipress.codecs import Codec, get_codec
+from hipress.engine.planning import Decision, FixedPolicy
 from hipress.secopa.cost import CostModel
 from hipress.secopa.errors import PlanError, ProfileError
 from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS, Plan, decide
@@ -39,11 +39,13 @@ logger = logging.getLogger(__name__)
 #: measurement budget (seconds) of the profile made for ``sync.plan: auto``
 AUTO_PROFILE_S = 5.0
 
-Decision = Tuple[bool, int, str]
-
-
 class PlanFollower:
     """Decides compress / partitions / strategy per gradient from ``sync.plan``.
+
+    The engine's :class:`~hipress.engine.planning.GradientPlanner` for ``sync.plan``
+    other than ``none`` (``hipress.init`` builds it); ``none`` is the engine's own
+    :class:`~hipress.engine.planning.FixedPolicy`, which this class also applies where
+    the plan has no answer.
 
     Args:
         cfg: the :class:`hipress.config.HiPressConfig`.
@@ -75,6 +77,7 @@ class PlanFollower:
         self._cache: Dict[Tuple[str, Tuple[int, ...], str, str], Decision] = {}
         self._warned: set = set()
         self._ready = False
+        self._policy = FixedPolicy(cfg)
 
     @property
     def active(self) -> bool:
@@ -175,7 +178,7 @@ class PlanFollower:
         strategy = strategy or self.cfg.sync.strategy
         numel = int(array.size)
         if codec is None or codec.name == "none":
-            return False, 1, strategy
+            return Decision(False, 1, strategy)
         if self.mode == "file" and self.plan is not None:
             entry = self.plan.entry(name)
             if entry is not None and entry.numel == numel:
@@ -184,8 +187,8 @@ class PlanFollower:
                                "SeCoPa plan %s was made for codec %r; gradient %r uses %r",
                                self.path, self.plan.codec, name, codec.name)
                 if not entry.compress:
-                    return False, 1, strategy
-                return True, entry.partitions, entry.strategy
+                    return Decision(False, 1, strategy)
+                return Decision(True, entry.partitions, entry.strategy)
             why = "is not in" if entry is None else f"has {numel} elements, not {entry.numel}, in"
             self._warn(("entry", name), "gradient %r %s SeCoPa plan %s; using the fixed "
                        "policy for it", name, why, self.path)
@@ -204,8 +207,8 @@ class PlanFollower:
                 self._warn(("profile", codec.name), "SeCoPa cannot plan %r (%s); using the "
                            "fixed policy for it", name, exc)
                 return self._fixed(numel, array, strategy)
-            got = (True, entry.partitions, entry.strategy) if entry.compress else (
-                False, 1, strategy)
+            got = Decision(True, entry.partitions, entry.strategy) if entry.compress else \
+                Decision(False, 1, strategy)
             self._cache[key] = got
             if self.rank == 0:
                 logger.debug("SeCoPa: %s (%d elements): %s", name, numel, json.dumps(
@@ -214,14 +217,8 @@ class PlanFollower:
         return self._fixed(numel, array, strategy)
 
     def _fixed(self, numel: int, array: Any, strategy: str) -> Decision:
-        """Apply the engine's fixed policy (min_compress_bytes, partitions, partition_bytes)."""
-        nbytes = numel * int(getattr(getattr(array, "dtype", None), "itemsize", 4) or 4)
-        if nbytes < self.cfg.compression.min_compress_bytes:
-            return False, 1, strategy
-        sync = self.cfg.sync
-        parts = int(sync.partitions) if sync.partitions else max(
-            1, math.ceil(nbytes / sync.partition_bytes))
-        return True, parts, strategy
+        """Apply the engine's fixed policy (:class:`~hipress.engine.planning.FixedPolicy`)."""
+        return self._policy.by_size(array, strategy)
 
     def _warn(self, key: Any, msg: str, *args: Any) -> None:
         if key in self._warned:
