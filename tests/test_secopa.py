@@ -460,6 +460,43 @@ def test_cli_plan_vgg19_writes_a_plan_and_prints_totals(tmp_path, capsys):
     assert rc == 1 and "vgg19" in capsys.readouterr().err
 
 
+def test_cli_plan_verbose_prints_each_options_time_and_the_reason(tmp_path, capsys):
+    prof_path = tmp_path / "profile.json"
+    PROFILE4.save(prof_path)
+    rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "vgg19", "--strategy",
+                   "auto", "--world-size", "4", "--codec", "onebit", "-v"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("gradient "))
+    assert lines[head].split()[:9] == ["gradient", "numel", "fused", "ms", "ps", "ms", "K",
+                                       "ring", "ms"]
+    rows = {line.split()[0]: line.split() for line in lines[head + 1:head + 39]}
+    assert len(rows) == 38
+    model = CostModel(PROFILE4, 4)
+    p = plan(PROFILE4, load_gradients("vgg19"), CODECS["onebit"], "auto", 4)
+    whys = set()
+    for g in p.gradients:
+        row = rows[g.name]
+        assert int(row[1]) == g.numel
+        assert float(row[2]) == pytest.approx(model.uncompressed(g.numel).total_s * 1e3,
+                                              abs=1e-3)
+        choice = f"{g.strategy}/{g.partitions}" if g.compress else "fused"
+        assert row[7] == choice, (g.name, row)
+        why = " ".join(row[8:])
+        whys.add(why.split(" (")[0])
+        times = [float(row[2])] + [float(row[i]) for i in (3, 5) if row[i] != "-"]
+        if g.compress:  # the chosen path's column holds the chosen time and K
+            col = {"ps": 3, "ring": 5}[g.strategy]
+            assert float(row[col]) == pytest.approx(g.predicted_ms, abs=1e-3)
+            assert int(row[col + 1]) == g.partitions
+        if why == "fastest":
+            assert g.predicted_ms == pytest.approx(min(times), abs=1e-3)
+        else:
+            assert why == "not shrinkable" or why.startswith("no fused buffer"), why
+    assert "fastest" in whys
+    assert rows["classifier.0.weight"][7] != "fused"
+
+
 # ----------------------------------------------------------------------------- runtime
 WORLD1 = types.SimpleNamespace(rank=0, size=1, mpi=None)
 

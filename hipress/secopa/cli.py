@@ -78,7 +78,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--partition-bytes", type=int, default=4 * 1024 * 1024, metavar="B",
                    help="sync.partition_bytes, for the threshold baseline")
     q.add_argument("-o", "--output", default=None, metavar="FILE", help="plan file to write")
-    q.add_argument("-v", "--verbose", action="store_true", help="also print every gradient")
+    q.add_argument("-v", "--verbose", action="store_true",
+                   help="also print every gradient: the predicted time of each option and "
+                   "why the plan chose one")
     q.set_defaults(func=_plan)
 
 
@@ -163,7 +165,7 @@ def _profile_table(prof: Any) -> str:
 
 def _plan(args: argparse.Namespace) -> int:
     from hipress.codecs import get_codec
-    from hipress.secopa.planner import load_gradients, plan, summary_table
+    from hipress.secopa.planner import load_gradients, option_table, plan, summary_table
     from hipress.secopa.profile import Profile
 
     prof = Profile.load(args.profile)
@@ -179,10 +181,7 @@ def _plan(args: argparse.Namespace) -> int:
               f"{n} ranks (alpha-beta model)", file=sys.stderr)
     print(summary_table(p))
     if args.verbose:
-        print(f"{'gradient':<44}{'numel':>12}{'compress':>9}{'path':>10}{'K':>5}{'ms':>10}")
-        for g in p.gradients:
-            print(f"{g.name[:44]:<44}{g.numel:>12}{'yes' if g.compress else 'no':>9}"
-                  f"{g.strategy:>10}{g.partitions:>5}{g.predicted_ms:>10.3f}")
+        print(option_table(p, prof, grads, codec, args.fusion_bytes))
     if args.output:
         p.save(args.output)
         print(f"wrote {args.output}")

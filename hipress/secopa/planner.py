@@ -475,6 +475,63 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         gradients=entries)
 
 
+def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]],
+                 codec: Optional[Codec], fusion_bytes: int = DEFAULT_FUSION_BYTES) -> str:
+    """Return, per gradient, the predicted time of every option and why the plan chose one.
+
+    ``hipress plan -v`` prints it. Columns: the uncompressed (fused) time, the best time
+    of each compressed path with its partition count K, the plan's choice and why:
+    ``fastest`` (the minimum of the row), ``not shrinkable`` (the codec does not make
+    this gradient smaller, :func:`may_compress`), or ``no fused buffer`` (compressed
+    although slower alone, because then no gradient goes uncompressed and the fused
+    buffer's fixed cost per iteration is saved).
+
+    Args:
+        p: the plan :func:`plan` made from the same arguments.
+        profile: the profile given to :func:`plan`.
+        gradients: the ``[(name, shape)]`` given to :func:`plan`.
+        codec: the codec given to :func:`plan`.
+        fusion_bytes: the fused-buffer size given to :func:`plan`.
+
+    Returns:
+        The table, one line per gradient of ``p`` under a header line.
+    """
+    model = CostModel(profile, p.world_size, fusion_bytes)
+    paths = list(engine_paths(codec, p.strategy)) if codec is not None else []
+    head = f"{'gradient':<40}{'numel':>11}{'fused ms':>10}" + "".join(
+        f"{x + ' ms':>11}{'K':>5}" for x in paths) + f"  {'choice':<12}why"
+    lines = [head]
+    entries = {g.name: g for g in p.gradients}
+    for name, shape in gradients:
+        n = _flat_numel(shape)
+        shp = (shape,) if isinstance(shape, int) else tuple(shape)
+        unc = model.uncompressed(n).total_s
+        best: Dict[str, Cost] = {}
+        shrinks = codec is not None and may_compress(codec, n, shp)
+        if codec is not None and n >= 1:
+            for _, cost in options(model, codec, n, p.strategy, p.feedback,
+                                      p.max_partitions, allow_uncompressed=False,
+                                      force=True, shape=shp):
+                if cost.path not in best or cost.total_s < best[cost.path].total_s:
+                    best[cost.path] = cost
+        cells = "".join(
+            f"{best[x].total_s * 1e3:>11.3f}{best[x].partitions:>5}" if x in best
+            else f"{'-':>11}{'-':>5}" for x in paths)
+        e = entries.get(str(name))
+        if e is None:
+            continue
+        choice = f"{e.strategy}/{e.partitions}" if e.compress else "fused"
+        fastest = min([unc] + [c.total_s for c in best.values()] if shrinks else [unc])
+        if not e.compress and not shrinks and codec is not None:
+            why = "not shrinkable"
+        elif abs(e.predicted_ms - fastest * 1e3) <= 1e-9 + 1e-9 * abs(fastest * 1e3):
+            why = "fastest"
+        else:
+            why = f"no fused buffer (its {model.fused_fixed() * 1e3:.3f} ms saved)"
+        lines.append(f"{str(name)[:40]:<40}{n:>11}{unc * 1e3:>10.3f}{cells}  {choice:<12}{why}")
+    return "\n".join(lines)
+
+
 def summary_table(p: Plan) -> str:
     """Return a text table of a plan's predicted totals (milliseconds per iteration)."""
     n = len(p.gradients)
