@@ -117,6 +117,11 @@ def test_timeline_is_a_chrome_trace(tmp_path):
     assert {e["pid"] for e in events} == {0, 1, 2}
     enc = [e for e in events if e["name"] == "encode"]
     assert enc and all(e["args"]["gradient"] == "tl.onebit" for e in enc)
+    # what `hipress profile --from-timeline` reads: the codec, the elements, error feedback
+    assert all(e["args"]["codec"] == "onebit" and e["args"]["numel"] >= 1
+               and e["args"]["feedback"] is True for e in enc)
+    dec = [e for e in events if e["name"] in ("decode", "decode+merge")]
+    assert dec and all(e["args"]["codec"] == "onebit" and e["args"]["numel"] >= 1 for e in dec)
     assert all(e["dur"] >= 0 and "ts" in e for e in events)
     assert data["otherData"]["world_size"] == 3
 

@@ -433,6 +433,95 @@ def test_profile_time_budget_is_enforced():
     assert all(len(c.encode.points) >= 2 for c in prof.codecs.values())
 
 
+def test_profile_flags_load_and_keeps_a_low_percentile_with_its_spread(monkeypatch, caplog):
+    from mpi4py import MPI
+
+    from hipress.secopa import profile as prof_mod
+
+    lo, spread = prof_mod._low_and_spread([1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 9.0, 1.0, 1.0, 1.0])
+    assert lo == 1.0 and spread == pytest.approx((np.percentile(
+        [1.0] * 7 + [2.0, 3.0, 9.0], 80) - 1.0) / 1.0)
+    monkeypatch.setattr(prof_mod, "host_load", lambda: 0.9)
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        with caplog.at_level("WARNING", logger="hipress.secopa.profile"):
+            prof = run_profile(comm, ["fp16"], sizes=[256, 1024], time_budget_s=0.3)
+    finally:
+        comm.Free()
+    assert prof.loaded and list(prof.host_load.values()) == [0.9]
+    assert any("taken under load" in r.getMessage() for r in caplog.records)
+    assert all(f.spread >= 0 for f in (prof.codecs["fp16"].encode, prof.ef))
+    again = Profile.from_json(prof.to_json())
+    assert again.loaded and again.host_load == prof.host_load
+    from hipress.secopa.cli import _profile_table
+
+    assert "TAKEN UNDER LOAD" in _profile_table(again)
+    monkeypatch.setattr(prof_mod, "host_load", lambda: 0.1)
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        quiet = run_profile(comm, ["fp16"], sizes=[256, 1024], time_budget_s=0.3)
+    finally:
+        comm.Free()
+    assert not quiet.loaded
+
+
+def _timeline(factors, n=1 << 20, feedback=True):
+    """Spans of onebit whose durations are ``factors`` times PROFILE4's predictions."""
+    cp, x = PROFILE4.codecs["onebit"], 4.0 * n
+    enc = cp.encode(x) + (cp.decode(x) + PROFILE4.ef(x) if feedback else 0.0)
+    events = []
+    for i in range(5):
+        wobble = 1.0 + 0.01 * (i - 2)  # the median is the middle one
+        events += [
+            {"name": "encode", "ph": "X", "ts": i, "dur": enc * factors["encode"] * wobble * 1e6,
+             "args": {"codec": "onebit", "numel": n, "feedback": feedback}},
+            {"name": "decode", "ph": "X", "ts": i, "dur": (cp.decode(x) + PROFILE4.write(x))
+             * factors["decode"] * wobble * 1e6, "args": {"codec": "onebit", "numel": n}},
+            {"name": "decode", "ph": "X", "ts": i, "dur": 1.0,  # a stored own payload
+             "args": {"codec": "onebit", "numel": n, "reused": True}},
+            {"name": "decode+merge", "ph": "X", "ts": i, "dur": 4 * cp.merge(x)
+             * factors["merge"] * wobble * 1e6,
+             "args": {"codec": "onebit", "numel": n, "payloads": 4}},
+            {"name": "allreduce", "ph": "X", "ts": i, "dur": 5.0, "args": {"bytes": 8}},
+        ]
+    return {"traceEvents": events}
+
+
+def test_refit_from_timeline_scales_compute_to_what_training_measured(tmp_path, capsys):
+    from hipress.secopa.profile import refit_from_timeline
+
+    factors = {"encode": 2.0, "decode": 3.0, "merge": 1.5}
+    refit, report = refit_from_timeline(PROFILE4, _timeline(factors))
+    for op, f in factors.items():
+        assert report[f"onebit/{op}"]["factor"] == pytest.approx(f)
+        assert report[f"onebit/{op}"]["spans"] == 5  # the reused decode is not counted
+        old, new = getattr(PROFILE4.codecs["onebit"], op), getattr(refit.codecs["onebit"], op)
+        assert new.b == pytest.approx(old.b * f) and new.a == old.a
+    assert refit.ef.b == pytest.approx(PROFILE4.ef.b * 2.0)
+    assert refit.write.b == pytest.approx(PROFILE4.write.b * 3.0)
+    assert refit.comm == PROFILE4.comm and refit.source == "timeline"
+    assert refit.codecs["terngrad"] == PROFILE4.codecs["terngrad"]  # not in the timeline
+    n = 25_000_000
+    slow = CostModel(refit, 4).compressed(CODECS["onebit"], n, "ps", 8, True)
+    fast = CostModel(PROFILE4, 4).compressed(CODECS["onebit"], n, "ps", 8, True)
+    assert slow.compute_s > 1.5 * fast.compute_s
+    assert "qsgd" not in {c.name for c in PROFILE4.codecs.values()}
+    with pytest.raises(ProfileError, match="found qsgd x1"):
+        refit_from_timeline(PROFILE4, [
+            {"name": "encode", "ph": "X", "dur": 3.0, "args": {"codec": "qsgd", "numel": 10}}])
+    # the CLI: hipress profile --from-timeline trace.json --profile base.json -o out.json
+    base, trace, out = tmp_path / "base.json", tmp_path / "trace.json", tmp_path / "out.json"
+    PROFILE4.save(base)
+    trace.write_text(json.dumps(_timeline(factors)))
+    assert cli.main(["profile", "--from-timeline", str(trace), "--profile", str(base),
+                     "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "onebit/encode" in text and "2.00" in text
+    assert Profile.load(out).source == f"timeline:{trace}"
+    assert cli.main(["profile", "--from-timeline", str(trace), "-o", str(out)]) == 1
+    assert "needs --profile" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- CLI
 def test_cli_plan_vgg19_writes_a_plan_and_prints_totals(tmp_path, capsys):
     prof_path = tmp_path / "profile.json"

@@ -122,7 +122,8 @@ def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
         (decoding is deterministic, so it equals what every other rank decodes from the
         bytes); fused error-feedback kernels compute none.
     """
-    with env.timeline.span("encode", gradient=job.name, partition=part, numel=int(x.size)):
+    with env.timeline.span("encode", gradient=job.name, partition=part, numel=int(x.size),
+                           codec=codec.name, feedback=bool(feedback)):
         if feedback:
             payload, decoded = job.memory.encode(codec, key, x)
         else:
@@ -146,7 +147,7 @@ def _decode_sum_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[Any],
     """
     xp = array_module(job.flat)
     with env.timeline.span("decode+merge", gradient=job.name, partition=part,
-                           payloads=len(bufs)):
+                           payloads=len(bufs), numel=int(numel), codec=codec.name):
         acc = None
         for buf in bufs:
             if acc is None:
@@ -179,8 +180,10 @@ def _decode_write_step(env: TaskEnv, job: Job, codec: Codec, buf: Any, lo: int, 
                        part: str) -> None:
     """Decode the final payload of ``flat[lo:hi]`` into the output, averaged if asked."""
     divisor = _divisor(env, job)
-    with env.timeline.span("decode", gradient=job.name, partition=part):
-        if isinstance(buf, tuple) and buf[1] is not None:
+    reused = isinstance(buf, tuple) and buf[1] is not None  # only stored, not decoded
+    with env.timeline.span("decode", gradient=job.name, partition=part, numel=hi - lo,
+                           codec=codec.name, reused=reused):
+        if reused:
             store_scaled(buf[1], job.out[lo:hi], divisor)
             return
         raw = buf[0] if isinstance(buf, tuple) else buf

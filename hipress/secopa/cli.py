@@ -49,6 +49,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds of measurements")
     p.add_argument("-o", "--output", default="profile.json", metavar="FILE",
                    help="profile file to write (rank 0)")
+    p.add_argument("--from-timeline", default=None, metavar="TRACE",
+                   help="instead of measuring: scale --profile's compute costs to what a "
+                        "job's timeline (timeline: trace.json) measured under training load")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="the measured profile to refit (with --from-timeline)")
     p.set_defaults(func=_profile)
 
     q = subparsers.add_parser(
@@ -108,7 +113,27 @@ def _default_codecs(params: Dict[str, Any]) -> List[Any]:
     return out
 
 
+def _refit(args: argparse.Namespace) -> int:
+    from hipress.secopa.profile import Profile, refit_from_timeline
+
+    if not args.profile:
+        raise ConfigError("--from-timeline needs --profile FILE: the measured profile whose "
+                          "compute costs the timeline rescales (make one with `hipress "
+                          "profile` under hipressrun)")
+    prof, report = refit_from_timeline(Profile.load(args.profile), args.from_timeline)
+    print(f"SeCoPa refit of {args.profile} from {args.from_timeline}: measured / predicted "
+          "time per span (median scales the fits)")
+    print(f"  {'codec/primitive':<28}{'spans':>7}{'p20':>8}{'median':>8}{'p80':>8}")
+    for key, r in report.items():
+        print(f"  {key:<28}{r['spans']:>7}{r['p20']:>8.2f}{r['factor']:>8.2f}{r['p80']:>8.2f}")
+    prof.save(args.output)
+    print(f"wrote {args.output}")
+    return 0
+
+
 def _profile(args: argparse.Namespace) -> int:
+    if args.from_timeline:
+        return _refit(args)
     import mpi4py
 
     mpi4py.rc.thread_level = "multiple"
@@ -140,13 +165,17 @@ def _profile_table(prof: Any) -> str:
         slope = max(f.b, f.b2 or 0.0)  # the large-size slope
         gbs = f"{1e-9 / slope:9.2f}" if slope > 0 else f"{'inf':>9}"
         return (f"  {label:<34}{f.floor * 1e6:9.1f}{f.a * 1e6:9.1f}{gbs}{f.rel_rms * 100:7.1f}%"
-                f"{f.r2:7.3f}{int(f.x_max):>12}")
+                f"{f.r2:7.3f}{f.spread * 100:7.0f}%{int(f.x_max):>12}")
 
     head = (f"  {'primitive':<34}{'floor us':>9}{'a us':>9}{'GB/s*':>9}{'relRMS':>8}{'R2':>7}"
-            f"{'max bytes':>12}")
+            f"{'spread':>8}{'max bytes':>12}")
+    load = ", ".join(f"{h} {v:.2f}" for h, v in sorted(prof.host_load.items())) or "unknown"
     lines = [f"SeCoPa profile: {prof.world_size} rank(s) on {', '.join(sorted(set(prof.hosts)))}"
              f"; {prof.elapsed_s:.1f} s ({prof.warmup_s:.1f} s codec warm-up, budget "
              f"{prof.time_budget_s:g} s); step overhead {prof.step_overhead_s * 1e6:.0f} us",
+             f"  load per core: {load}" + ("  ** TAKEN UNDER LOAD: costs include other "
+                                            "programs'; profile again on a quiet cluster **"
+                                            if prof.loaded else ""),
              head, "  (* bytes per second at large sizes: input bytes for compute, message bytes "
              "for comm)"]
     if prof.world_size > 1:

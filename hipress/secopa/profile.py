@@ -41,7 +41,7 @@ flat region of small sizes where fixed costs dominate (its extent is chosen by t
 cuts the squared error by 30 %. Below the smallest profiled size a primitive costs the
 floor; above the largest profiled size the steepest line is extrapolated. The fit error
 is recorded as the relative RMS error and R^2 (of the curve against the measured
-medians).
+points).
 
 Time bound: the default budget is :data:`DEFAULT_TIME_BUDGET_S` (20 s) of measurements.
 It is split 40 % communication (when there are >= 2 ranks) and 60 % compute; within each
@@ -49,7 +49,12 @@ part the time left is shared evenly by the series still to measure (message patt
 error feedback and one series per codec). Sizes are measured smallest first; a series
 stops before a size whose predicted time (the previous size's, scaled by the size ratio)
 would overrun its share, after at least two sizes. Each size is measured with adaptive
-repetitions (>= 3, until ~30 ms of samples) and reduced to a median. Before the budget
+repetitions (>= 3, until ~30 ms of samples) and reduced to their 20th percentile
+(:data:`FIT_PERCENTILE`: the undisturbed cost, not a neighbour's burst); the largest
+relative spread of a series, ``(p80 - p20) / p20``, is kept as its fit's ``spread``.
+The 1-minute load average per core of each host, before and after, is recorded
+(``Profile.host_load``); above :data:`LOADED_PER_CORE` the profile is flagged ``loaded`` and
+a warning says so. Before the budget
 starts, each codec is used once (its Numba kernels load from the disk cache or compile:
 about 0.1-2 s per codec family on a loaded two-core machine, recorded as ``warmup_s``);
 a profile thus takes warm-up + budget + well under a second (overruns of the last size of
@@ -105,6 +110,11 @@ _COMM_SHARE = 0.4
 _MIN_POINTS = 2
 _TARGET_SAMPLE_S = 0.03
 _MIN_REPS, _MAX_REPS = 3, 25
+#: percentile of the repetitions a size is reduced to: a low one, so that the fit follows
+#: the undisturbed cost and not a neighbour's burst (the spread says how noisy it was)
+FIT_PERCENTILE = 20.0
+#: 1-minute load average per core above which a profile is flagged as taken under load
+LOADED_PER_CORE = 0.5
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -124,7 +134,10 @@ class Fit(BaseModel):
         rel_rms: relative RMS error of the fit over the measured points.
         r2: coefficient of determination of the fit (1 = perfect; may be < 0 for a
             flat, noisy series).
-        points: the measured ``(bytes, seconds)`` medians the fit was made from.
+        spread: largest relative spread of the repetitions at any size,
+            ``(p80 - p20) / p20`` (0 when unknown: fits from older files or timelines).
+        points: the measured ``(bytes, seconds)`` (the :data:`FIT_PERCENTILE`-th
+            percentile of the repetitions) the fit was made from.
     """
 
     model_config = _STRICT
@@ -138,6 +151,7 @@ class Fit(BaseModel):
     x_max: float = Field(0.0, ge=0)
     rel_rms: float = Field(0.0, ge=0)
     r2: float = Field(1.0, le=1.0)
+    spread: float = Field(0.0, ge=0)
     points: List[List[float]] = Field(default_factory=list)
 
     @field_validator("points")
@@ -148,7 +162,7 @@ class Fit(BaseModel):
                 raise ValueError(f"point {i} must be [bytes, seconds], got {p}")
         return value
 
-    @field_validator("a", "b", "floor", "rel_rms")
+    @field_validator("a", "b", "floor", "rel_rms", "spread")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
@@ -231,6 +245,12 @@ class Profile(BaseModel):
         write: averaged write of a decoded result into the output vs float32 bytes.
         comm: message-pattern fits (all zero at world size 1).
         codecs: per codec key (``name`` or ``name?{json params}``) its compute fits.
+        host_load: 1-minute load average per core on each host when the measurements
+            started and ended (the larger; empty when unknown).
+        loaded: the profile was taken under load (``host_load`` above
+            :data:`LOADED_PER_CORE` on some host): its costs include other programs'.
+        source: ``measured`` (:func:`run_profile`) or ``timeline:<path>``
+            (:func:`refit_from_timeline`).
     """
 
     model_config = _STRICT
@@ -247,6 +267,9 @@ class Profile(BaseModel):
     write: Fit
     comm: CommProfile
     codecs: Dict[str, CodecProfile] = Field(default_factory=dict)
+    host_load: Dict[str, float] = Field(default_factory=dict)
+    loaded: bool = False
+    source: str = "measured"
 
     # ------------------------------------------------------------------ files
     @classmethod
@@ -486,8 +509,13 @@ class _Clock:
         return bool(self.comm.bcast(bool(flag) if self.root else None, root=0))
 
 
-def _median_time(fn: Callable[[], Any], deadline: float) -> float:
-    """Return the median wall time of ``fn()`` over adaptive repetitions (one warm-up)."""
+def _low_time(fn: Callable[[], Any], deadline: float) -> Tuple[float, float]:
+    """Time ``fn()`` over adaptive repetitions (one warm-up) on this rank.
+
+    Returns:
+        ``(t, spread)``: the :data:`FIT_PERCENTILE`-th percentile of the wall times and
+        their relative spread ``(p80 - p20) / p20``.
+    """
     fn()
     samples: List[float] = []
     spent = 0.0
@@ -498,7 +526,22 @@ def _median_time(fn: Callable[[], Any], deadline: float) -> float:
         dt = time.perf_counter() - t0
         samples.append(dt)
         spent += dt
-    return max(statistics.median(samples), 1e-9)
+    return _low_and_spread(samples)
+
+
+def _low_and_spread(samples: Sequence[float]) -> Tuple[float, float]:
+    """Return the :data:`FIT_PERCENTILE`-th percentile of ``samples`` and their spread."""
+    lo, hi = (float(v) for v in np.percentile(samples, [FIT_PERCENTILE, 100 - FIT_PERCENTILE]))
+    lo = max(lo, 1e-9)
+    return lo, max(hi - lo, 0.0) / lo
+
+
+def host_load() -> float:
+    """Return this host's 1-minute load average per core (0.0 where the OS has none)."""
+    try:
+        return float(os.getloadavg()[0]) / max(os.cpu_count() or 1, 1)
+    except OSError:
+        return 0.0
 
 
 def _step_overhead(comm: Any, mpi: Any) -> float:
@@ -668,8 +711,13 @@ def _comm_op(comm: Any, sched: Any, pattern: str, nbytes: int) -> Callable[[], N
 
 
 def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, nbytes: int,
-                  deadline: float) -> Optional[float]:
-    """Time one pattern at one size on every rank; rank 0 gets max-over-ranks medians."""
+                  deadline: float) -> Optional[Tuple[float, float]]:
+    """Time one pattern at one size on every rank.
+
+    Returns:
+        On rank 0 ``(t, spread)`` of the per-repetition maxima over ranks (a pattern is
+        done when its slowest rank is; see :func:`_low_and_spread`); None elsewhere.
+    """
     op = _comm_op(comm, sched, pattern, nbytes)
     comm.Barrier()
     t0 = time.perf_counter()
@@ -691,7 +739,7 @@ def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, 
     if not clock.root:
         return None
     per_rep = [max(s[i] for s in allsamples) for i in range(reps)]
-    return max(statistics.median(per_rep), 1e-9)
+    return _low_and_spread(per_rep)
 
 
 def _as_codec(c: Any) -> Codec:
@@ -748,6 +796,7 @@ def run_profile(
     from mpi4py import MPI
 
     t_start = time.perf_counter()
+    load_start = host_load()
     if not time_budget_s > 0:
         raise ProfileError(f"time budget must be > 0 seconds, got {time_budget_s!r}")
     sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES)})
@@ -801,17 +850,19 @@ def run_profile(
             now = time.perf_counter()
             deadline = now + max(comm_end - now, 0.0) / (len(COMM_PRIMITIVES) - j)
             pts: List[Tuple[float, float]] = []
+            spread = 0.0
             last = 0.0
             for i, nbytes in enumerate(comm_sizes):
                 if not go_on(i, deadline, last, nbytes / comm_sizes[max(i - 1, 0)]):
                     break
                 t0 = time.perf_counter()
-                t = _measure_comm(comm, MPI, sched, clock, pattern, nbytes, deadline)
+                got = _measure_comm(comm, MPI, sched, clock, pattern, nbytes, deadline)
                 last = time.perf_counter() - t0
-                if clock.root:
-                    pts.append((float(nbytes), t))
+                if clock.root and got is not None:
+                    pts.append((float(nbytes), got[0]))
+                    spread = max(spread, got[1])
             if clock.root:
-                comm_fits[pattern] = fit_line(pts)
+                comm_fits[pattern] = fit_line(pts).model_copy(update={"spread": spread})
                 logger.debug("profiled %s: %d sizes, %.2f s since start", pattern, len(pts),
                              time.perf_counter() - t_start)
         sched.shutdown()
@@ -821,6 +872,7 @@ def run_profile(
     # ---- compute: the rest of the budget, shared evenly by the series still to do
     # (error feedback and result write + one per codec)
     series: Dict[str, Dict[str, List[Tuple[float, float]]]] = {}
+    spreads: Dict[Tuple[str, str], float] = {}
     n_stages: Dict[str, int] = {}
     jobs: List[Tuple[str, Optional[Codec]]] = [("ef", None)] + [
         (codec_key(c.name, c.params()), c) for c in codec_objs]
@@ -843,9 +895,9 @@ def run_profile(
                 raise ProfileError(f"profiling codec {key!r} at {n} elements failed on {err}")
             for prim, fn in ops.items():
                 comm.Barrier()
-                err, t = "", None
+                err, t, sp = "", None, None
                 try:
-                    t = _median_time(fn, deadline)
+                    t, sp = _low_time(fn, deadline)
                     if prim == "stages":
                         n_stages[key] = int(fn())
                 except Exception as exc:  # noqa: BLE001 - reported collectively below
@@ -854,17 +906,36 @@ def run_profile(
                 if err:
                     raise ProfileError(
                         f"profiling {prim} of codec {key!r} at {n} elements failed on {err}")
+                med_spread, _ = _collect(comm, clock, sp, "")
                 series[key].setdefault(prim, []).append((4.0 * n, med))
+                spreads[key, prim] = max(spreads.get((key, prim), 0.0), med_spread)
             last = time.perf_counter() - t0
         logger.debug("profiled %s: %d sizes, %.2f s since start (deadline %+.2f s)", key,
                      len(series[key].get("encode", series[key].get("ef", []))),
                      time.perf_counter() - t_start, time.perf_counter() - deadline)
 
+    loads = comm.gather(max(load_start, host_load()), root=0) if N > 1 else [
+        max(load_start, host_load())]
+
+    def fitted(key: str, prim: str) -> Fit:
+        return fit_line(series[key][prim]).model_copy(
+            update={"spread": spreads.get((key, prim), 0.0)})
+
     text = ""
     if clock.root:
+        load: Dict[str, float] = {}
+        for host, value in zip(hosts, loads):
+            load[host] = round(max(load.get(host, 0.0), float(value)), 3)
+        loaded = any(v > LOADED_PER_CORE for v in load.values())
+        if loaded:
+            logger.warning(
+                "SeCoPa profile taken under load (1-minute load average per core: %s; above "
+                "%.1f counts as loaded): its costs include other programs' and plans made "
+                "from it may be off; profile again on a quiet cluster",
+                ", ".join(f"{h} {v:.2f}" for h, v in sorted(load.items())), LOADED_PER_CORE)
         codec_profiles = {}
         for key, codec in jobs[1:]:
-            fits = {prim: fit_line(pts) for prim, pts in series[key].items()}
+            fits = {prim: fitted(key, prim) for prim in series[key]}
             codec_profiles[key] = CodecProfile(
                 name=codec.name, params=json.loads(json.dumps(codec.params())),
                 encode=fits["encode"], decode=fits["decode"], merge=fits["merge"],
@@ -874,9 +945,9 @@ def run_profile(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             time_budget_s=float(time_budget_s), elapsed_s=time.perf_counter() - t_start,
             warmup_s=float(warmup_s),
-            step_overhead_s=float(overhead), ef=fit_line(series["ef"]["ef"]),
-            write=fit_line(series["ef"]["write"]),
-            comm=CommProfile(**comm_fits), codecs=codec_profiles)
+            step_overhead_s=float(overhead), ef=fitted("ef", "ef"),
+            write=fitted("ef", "write"),
+            comm=CommProfile(**comm_fits), codecs=codec_profiles, host_load=load, loaded=loaded)
         text = prof.to_json()
         logger.info("SeCoPa profile of %d rank(s), %d codec(s) took %.1f s (codec warm-up "
                     "%.1f s + measurements, budget %.0f s)", N, len(codec_profiles),
@@ -884,3 +955,110 @@ def run_profile(
     if N > 1:
         text = comm.bcast(text if clock.root else None, root=0)
     return Profile.from_json(text, "<broadcast>")
+
+
+# ----------------------------------------------------------------------------- timelines
+#: timeline spans the refit reads, and the profile primitive each one measures
+_SPAN_OPS = {"encode": "encode", "decode": "decode", "decode+merge": "merge"}
+
+
+def _trace_events(trace: Any) -> List[Dict[str, Any]]:
+    """Return the complete events of a Chrome trace (a path, a JSON text's data, a list)."""
+    if isinstance(trace, (str, os.PathLike)):
+        try:
+            with open(trace, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise ProfileError(f"cannot read timeline {trace}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"timeline {trace} is not JSON: {exc}") from None
+    else:
+        data = trace
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        raise ProfileError("a timeline is a JSON list of events or {\"traceEvents\": [...]}")
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
+
+
+def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple[
+        Profile, Dict[str, Dict[str, Any]]]:
+    """Scale a profile's compute costs to what a real job's timeline measured.
+
+    A profile is measured on its own, while in training the codecs share the cores with
+    the backward pass and with the other ranks on the host: on this project's two-core
+    machines they ran 2-2.5x slower there. This reads the job's ``encode``, ``decode``
+    and ``decode+merge`` spans (a timeline written with ``timeline: trace.json``), divides
+    each span's duration by what ``profile`` predicts for it (encode: ``encode`` plus,
+    with error feedback, ``decode`` and ``ef``; decode: ``decode`` + ``write``;
+    decode+merge of P payloads: P ``merge``), and scales each codec's fits by the median
+    of those ratios (:meth:`Fit.scaled`: the per-byte slopes, which dominate large
+    gradients), ``ef`` and ``write`` by the encode and decode factors of the codec seen
+    most. Message costs are kept (the timeline's waits include time spent waiting for
+    other ranks, not only the wire).
+
+    Args:
+        profile: the measured profile to start from.
+        trace: a timeline path, or its parsed JSON (a list of events or a
+            ``{"traceEvents": [...]}`` object).
+        source: what to record as ``Profile.source`` (default ``timeline:<path>``).
+
+    Returns:
+        ``(refitted profile, report)``, the report per ``codec/primitive``:
+        ``{"spans": count, "factor": median ratio, "p20": ..., "p80": ...}``.
+
+    Raises:
+        ProfileError: the timeline cannot be read, or has no codec spans this profile
+            knows (it names the codecs it found).
+    """
+    ratios: Dict[Tuple[str, str], List[float]] = {}
+    seen: Dict[str, int] = {}
+    for ev in _trace_events(trace):
+        op = _SPAN_OPS.get(str(ev.get("name")))
+        args = ev.get("args") or {}
+        name, numel = args.get("codec"), args.get("numel")
+        if op is None or not name or not isinstance(numel, (int, float)) or numel < 1:
+            continue
+        if op == "decode" and args.get("reused"):
+            continue  # only stored: its own payload's decode was reused
+        seen[str(name)] = seen.get(str(name), 0) + 1
+        fits = [c for c in profile.codecs.values() if c.name == name]
+        if not fits:
+            continue
+        cp, x = fits[0], 4.0 * float(numel)
+        if op == "encode":
+            pred = cp.encode(x) + (cp.decode(x) + profile.ef(x) if args.get("feedback") else 0.0)
+        elif op == "decode":
+            pred = cp.decode(x) + profile.write(x)
+        else:
+            pred = max(int(args.get("payloads", 1)), 1) * cp.merge(x)
+        dur = float(ev.get("dur", 0.0)) * 1e-6
+        if pred > 0 and dur > 0:
+            ratios.setdefault((str(name), op), []).append(dur / pred)
+    if not ratios:
+        raise ProfileError(
+            "the timeline has no encode/decode spans of a codec this profile knows (found "
+            f"{', '.join(f'{k} x{v}' for k, v in sorted(seen.items())) or 'none'}; profile "
+            f"has {', '.join(sorted({c.name for c in profile.codecs.values()})) or 'none'}). "
+            "Write the timeline with this HiPress version (timeline: trace.json) and profile "
+            "the codecs the job uses")
+    report: Dict[str, Dict[str, Any]] = {}
+    factor: Dict[Tuple[str, str], float] = {}
+    for (name, op), rs in sorted(ratios.items()):
+        p20, med, p80 = (float(v) for v in np.percentile(rs, [20, 50, 80]))
+        factor[name, op] = med
+        report[f"{name}/{op}"] = {"spans": len(rs), "factor": med, "p20": p20, "p80": p80}
+    codecs = {}
+    for key, cp in profile.codecs.items():
+        upd = {op: getattr(cp, op).scaled(factor[cp.name, op]) for op in ("encode", "decode",
+                                                                          "merge")
+               if (cp.name, op) in factor}
+        codecs[key] = cp.model_copy(update=upd)
+    main = max((n for n, _ in factor), key=lambda n: sum(
+        len(ratios.get((n, op), [])) for op in _SPAN_OPS.values()))
+    upd_prof: Dict[str, Any] = {"codecs": codecs, "source": source or (
+        f"timeline:{trace}" if isinstance(trace, (str, os.PathLike)) else "timeline")}
+    if (main, "encode") in factor:
+        upd_prof["ef"] = profile.ef.scaled(factor[main, "encode"])
+    if (main, "decode") in factor:
+        upd_prof["write"] = profile.write.scaled(factor[main, "decode"])
+    return profile.model_copy(update=upd_prof), report
