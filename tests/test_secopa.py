@@ -24,6 +24,7 @@ from hipress.secopa import (
     PlanFollower,
     Profile,
     ProfileError,
+    SeCoPaError,
     decide,
     engine_paths,
     fit_line,
@@ -520,6 +521,92 @@ def test_refit_from_timeline_scales_compute_to_what_training_measured(tmp_path, 
     assert Profile.load(out).source == f"timeline:{trace}"
     assert cli.main(["profile", "--from-timeline", str(trace), "-o", str(out)]) == 1
     assert "needs --profile" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- pipeline
+def test_simulation_of_lone_gradients_is_their_own_cost():
+    from hipress.secopa.pipeline import Choice, simulate
+
+    model, onebit = CostModel(PROFILE4, 4), CODECS["onebit"]
+    n = 2_000_000
+    c = model.compressed(onebit, n, "ps", 1, True)
+    # far apart: nothing shares a resource; K = 1 is compute, network, compute in turn
+    sim = simulate(model, [("a", n, 0.0), ("b", n, 100.0)],
+                   {"a": Choice(True, "ps", 1), "b": Choice(True, "ps", 1)}, onebit, True)
+    assert sim.finish_s["a"] == pytest.approx(c.compute_s + c.network_s)
+    assert sim.exposed_s == pytest.approx(c.compute_s + c.network_s)
+    assert sim.backward_s == 100.0 and sim.end_s == pytest.approx(100.0 + c.total_s)
+    # uncompressed: its marginal time plus the fused buffer's fixed cost, once
+    u = model.uncompressed(n)
+    sim = simulate(model, [("a", n, 1.0)], {}, None)
+    assert sim.exposed_s == pytest.approx(u.network_s + model.fused_fixed())
+    assert sim.compute_busy_s == 0.0
+
+
+def test_simulation_shares_compute_and_link_and_pipelines_partitions():
+    from hipress.secopa.pipeline import Choice, simulate
+
+    model, onebit = CostModel(PROFILE4, 4), CODECS["onebit"]
+    n = 4_000_000
+    c = model.compressed(onebit, n, "ps", 1, True)
+    both = {"a": Choice(True, "ps", 1), "b": Choice(True, "ps", 1)}
+    sim = simulate(model, [("a", n, 0.0), ("b", n, 0.0)], both, onebit, True)
+    half, net = c.compute_s / 2, c.network_s
+    # a encodes in [0, h] and sends in [h, h+w]; b encodes in [h, 2h]; a's decode starts
+    # when both its transfer and b's encode are done
+    assert sim.finish_s["a"] == pytest.approx(max(2 * half, half + net) + half)
+    assert sim.end_s >= 2 * c.compute_s - 1e-12 and sim.end_s >= 2 * net - 1e-12
+    assert sim.end_s < 2 * (c.compute_s + net)  # overlap: less than one after the other
+    assert sim.compute_busy_s == pytest.approx(2 * c.compute_s)
+    assert sim.network_busy_s == pytest.approx(2 * net)
+    # K partitions of one gradient overlap their compute with their transfers
+    k8 = model.compressed(onebit, n, "ps", 8, True)
+    sim8 = simulate(model, [("a", n, 0.0)], {"a": Choice(True, "ps", 8)}, onebit, True)
+    assert max(k8.compute_s, k8.network_s) - 1e-12 <= sim8.end_s < k8.compute_s + k8.network_s
+    with pytest.raises(SeCoPaError, match="no codec"):
+        simulate(model, [("a", n, 0.0)], {"a": Choice(True, "ps", 1)}, None)
+    with pytest.raises(SeCoPaError, match="ready time"):
+        simulate(model, [("a", n, float("nan"))], {}, None)
+
+
+def test_arrivals_from_timeline_and_plan_with_exposed_times(tmp_path, capsys):
+    from hipress.secopa.pipeline import arrivals_from_timeline
+
+    grads = load_gradients("resnet50")
+    events = []
+    for step in range(4):
+        t0 = step * 1e6
+        for i, (name, shape) in enumerate(reversed(grads)):  # the last layer first
+            events.append({"name": "submit", "ph": "X", "pid": 0, "ts": t0 + 1000 * i,
+                           "dur": 0, "args": {"gradient": name, "numel": math.prod(shape),
+                                              "step": step}})
+            events.append({"name": "done", "ph": "X", "pid": 0,
+                           "ts": t0 + 1000 * i + 5000 + 1000 * step, "dur": 0,
+                           "args": {"gradient": name, "step": step}})
+        events.append({"name": "submit", "ph": "X", "pid": 1, "ts": t0, "dur": 0,
+                       "args": {"gradient": "x", "numel": 1, "step": step}})
+    steps, measured = arrivals_from_timeline({"traceEvents": events})
+    assert len(steps) == 4 and len(steps[0]) == len(grads)
+    assert steps[1][0] == (grads[-1][0], math.prod(grads[-1][1]), 0.0)
+    assert measured[2]["backward_s"] == pytest.approx((len(grads) - 1) * 1e-3)
+    assert measured[2]["exposed_s"] == pytest.approx(5e-3 + 2e-3)
+    with pytest.raises(SeCoPaError, match="no submit events of rank 3"):
+        arrivals_from_timeline({"traceEvents": events}, rank=3)
+    p = plan(PROFILE4, grads, CODECS["onebit"], "ps", 4, arrivals=steps[2])
+    ex = p.predicted_exposed_ms
+    assert set(ex) == {"plan", "compress_everything", "threshold", "compress_nothing"}
+    assert all(v >= 0 for v in ex.values())
+    # arriving over 160 ms, much of the sync hides behind the backward pass
+    assert ex["compress_nothing"] < p.predicted_ms["compress_nothing"]
+    trace, prof_path = tmp_path / "trace.json", tmp_path / "p.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    PROFILE4.save(prof_path)
+    assert cli.main(["plan", "--profile", str(prof_path), "--gradients", "resnet50",
+                     "--strategy", "ps", "--world-size", "4", "--codec", "onebit",
+                     "--timeline", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "exposed ms/iter" in out and f"{ex['plan']:.2f}" in out
+    assert "exposed 7.00 ms" in out  # steps 2 and 3 after 2 warm-up steps: the lower median
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -280,6 +280,10 @@ class Engine:
         sub, handle = self._allreduce_sub(array, name, op, codec, strategy, contributes,
                                           inplace)
         if sub is not None:
+            if self.timeline.enabled:  # when each gradient became ready (SeCoPa's arrivals)
+                self.timeline.add("submit", self.timeline.now_us(), 0.0, gradient=name,
+                                  numel=int(sub.array.size), step=self.step_count,
+                                  codec=sub.codec.name if sub.codec is not None else "none")
             self._enqueue(sub)
         return handle
 
@@ -892,6 +896,9 @@ class Engine:
                   error: Optional[BaseException] = None) -> None:
         with self._lock:
             self._inflight.pop(sub.name, None)
+        if self.timeline.enabled:
+            self.timeline.add("done", self.timeline.now_us(), 0.0, gradient=sub.name,
+                              step=self.step_count)
         sub.handle._finish(result, error)
 
     def _run(self) -> None:

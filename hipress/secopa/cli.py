@@ -82,6 +82,12 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="compression.min_compress_bytes, for the threshold baseline")
     q.add_argument("--partition-bytes", type=int, default=4 * 1024 * 1024, metavar="B",
                    help="sync.partition_bytes, for the threshold baseline")
+    q.add_argument("--timeline", default=None, metavar="TRACE",
+                   help="a job's timeline (timeline: trace.json): simulate each policy's "
+                        "exposed sync time over its gradients' arrival times (the median "
+                        "step of rank 0 after --skip-steps) and print the step's measured one")
+    q.add_argument("--skip-steps", type=int, default=2, metavar="N",
+                   help="warm-up steps of the timeline to leave out")
     q.add_argument("-o", "--output", default=None, metavar="FILE", help="plan file to write")
     q.add_argument("-v", "--verbose", action="store_true",
                    help="also print every gradient: the predicted time of each option and "
@@ -201,14 +207,32 @@ def _plan(args: argparse.Namespace) -> int:
     grads = load_gradients(args.gradients)
     codec = get_codec(args.codec, **_json_arg(args.params, "--params"))
     n = args.world_size or prof.world_size
+    arrivals, measured = None, None
+    if args.timeline:
+        from hipress.secopa.pipeline import arrivals_from_timeline
+
+        steps, meas = arrivals_from_timeline(args.timeline)
+        keep = list(range(min(max(args.skip_steps, 0), len(steps) - 1), len(steps)))
+        mid = sorted(keep, key=lambda i: meas[i]["exposed_s"])[(len(keep) - 1) // 2]
+        arrivals, measured = steps[mid], (mid, meas[mid])
+        known = {a[0] for a in arrivals} & {str(g[0]) for g in grads}
+        if len(known) < len(grads):
+            print(f"note: {len(grads) - len(known)} of {len(grads)} gradients have no "
+                  f"arrival in {args.timeline} (other names?); taken as ready at the end "
+                  "of the backward pass", file=sys.stderr)
     p = plan(prof, grads, codec, args.strategy, n, max_partitions=args.max_partitions,
              memory=args.memory, fusion_bytes=args.fusion_bytes,
              min_compress_bytes=args.min_compress_bytes, partition_bytes=args.partition_bytes,
-             profile_source=str(args.profile))
+             profile_source=str(args.profile), arrivals=arrivals)
     if n != prof.world_size:
         print(f"note: profile measured on {prof.world_size} rank(s); message costs scaled to "
               f"{n} ranks (alpha-beta model)", file=sys.stderr)
     print(summary_table(p))
+    if measured is not None:
+        i, m = measured
+        print(f"measured in {args.timeline} (rank 0, its median step {i}, under the job's "
+              f"own policy): backward {m['backward_s'] * 1e3:.2f} ms, last gradient done "
+              f"{m['end_s'] * 1e3:.2f} ms, exposed {m['exposed_s'] * 1e3:.2f} ms")
     if args.verbose:
         print(option_table(p, prof, grads, codec, args.fusion_bytes))
     if args.output:

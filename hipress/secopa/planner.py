@@ -115,7 +115,10 @@ class Plan(BaseModel):
         max_partitions: the search bound for K.
         profile: where the costs came from (path, world size, hosts, created).
         predicted_ms: per-iteration totals: plan, compress_everything, threshold,
-            compress_nothing.
+            compress_nothing (sums of per-gradient times).
+        predicted_exposed_ms: the same policies' exposed sync time per iteration, from
+            :func:`hipress.secopa.pipeline.simulate` over the gradients' arrival times
+            (empty when the plan was made without them).
         gradients: one :class:`PlanEntry` per gradient, names unique.
     """
 
@@ -130,6 +133,7 @@ class Plan(BaseModel):
     max_partitions: int = Field(DEFAULT_MAX_PARTITIONS, ge=1)
     profile: Dict[str, Any] = Field(default_factory=dict)
     predicted_ms: Dict[str, float] = Field(default_factory=dict)
+    predicted_exposed_ms: Dict[str, float] = Field(default_factory=dict)
     gradients: List[PlanEntry]
     _index: Optional[Dict[str, PlanEntry]] = PrivateAttr(default=None)
 
@@ -384,7 +388,8 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
          memory: str = "auto", fusion_bytes: int = DEFAULT_FUSION_BYTES,
          min_compress_bytes: int = DEFAULT_MIN_COMPRESS_BYTES,
          partition_bytes: int = DEFAULT_PARTITION_BYTES,
-         profile_source: str = "") -> Plan:
+         profile_source: str = "",
+         arrivals: Optional[Sequence[Tuple[str, int, float]]] = None) -> Plan:
     """Plan a whole gradient set (see the module docstring for the rule and the totals).
 
     Args:
@@ -400,9 +405,13 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
             baseline only.
         partition_bytes: ``sync.partition_bytes``, for the ``threshold`` baseline only.
         profile_source: where the profile came from (recorded in the plan).
+        arrivals: ``(name, numel, ready_s)`` of the gradients over a backward pass
+            (:func:`hipress.secopa.pipeline.arrivals_from_timeline`); with them each
+            policy's exposed sync time is simulated into ``predicted_exposed_ms``
+            (gradients without an arrival are taken as ready at the end).
 
     Returns:
-        The :class:`Plan`, with totals in ``predicted_ms``.
+        The :class:`Plan`, with totals in ``predicted_ms`` (and ``predicted_exposed_ms``).
 
     Raises:
         SeCoPaError: bad strategy, world size or gradients; ProfileError: the codec is
@@ -462,6 +471,19 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         "threshold": total(threshold),
         "compress_nothing": total([(False, model.uncompressed(n)) for n in numels]),
     }
+    exposed: Dict[str, float] = {}
+    if arrivals is not None:
+        from hipress.secopa.pipeline import Choice, simulate
+
+        ready = {str(a[0]): float(a[2]) for a in arrivals}
+        end = max(ready.values(), default=0.0)
+        arr = [(nm, n, ready.get(nm, end)) for nm, n in zip(names, numels)]
+        policies = {"plan": chosen, "compress_everything": forced, "threshold": threshold,
+                    "compress_nothing": [(False, model.uncompressed(n)) for n in numels]}
+        for key, choices in policies.items():
+            ch = {nm: Choice(True, c.path, c.partitions) if comp else Choice(False)
+                  for nm, (comp, c) in zip(names, choices)}
+            exposed[key] = simulate(model, arr, ch, codec, fb).exposed_s * 1e3
     entries = [_entry(name, n, ch) for name, n, ch in zip(names, numels, chosen)]
     return Plan(
         version=PLAN_VERSION,
@@ -472,7 +494,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         profile={"source": profile_source, "world_size": profile.world_size,
                  "hosts": sorted(set(profile.hosts)), "created": profile.created},
         predicted_ms={k: v * 1e3 for k, v in totals.items()},
-        gradients=entries)
+        predicted_exposed_ms=exposed, gradients=entries)
 
 
 def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]],
@@ -541,7 +563,8 @@ def summary_table(p: Plan) -> str:
         f"SeCoPa plan: codec {p.codec}{' ' + json.dumps(p.codec_params) if p.codec_params else ''}"
         f", strategy {p.strategy}, world size {p.world_size}, {n} gradients "
         f"({mib:.1f} MiB float32), error feedback {'on' if p.feedback else 'off'}",
-        f"{'policy':<22}{'predicted ms/iter':>18}{'compressed':>12}",
+        f"{'policy':<22}{'predicted ms/iter':>18}{'compressed':>12}"
+        + (f"{'exposed ms/iter':>17}" if p.predicted_exposed_ms else ""),
     ]
     counts = {"plan": comp, "compress_everything": sum(g.numel > 0 for g in p.gradients),
               "compress_nothing": 0}
@@ -550,7 +573,9 @@ def summary_table(p: Plan) -> str:
             continue
         c = counts.get(key)
         shown = f"{c}/{n}" if c is not None else "-"
-        lines.append(f"{key.replace('_', '-'):<22}{p.predicted_ms[key]:>18.2f}{shown:>12}")
+        ex = p.predicted_exposed_ms.get(key)
+        lines.append(f"{key.replace('_', '-'):<22}{p.predicted_ms[key]:>18.2f}{shown:>12}"
+                     + (f"{ex:>17.2f}" if ex is not None else ""))
     paths: Dict[str, int] = {}
     for g in p.gradients:
         paths[g.strategy] = paths.get(g.strategy, 0) + 1

@@ -1,0 +1,185 @@
+"""The iteration as it runs: gradients arrive over the backward pass and share resources.
+
+:mod:`hipress.secopa.cost` predicts one gradient's synchronization time alone. In
+training, gradients become ready one after another during the backward pass (the last
+layer's first), each rank's engine runs encode, decode and merge steps on its compute
+pool, and every transfer crosses the same link; the iteration's synchronization ends when
+the last gradient is done. What training pays is the part after the backward pass ends:
+the **exposed** sync time. This module simulates that, event by event:
+
+- each gradient arrives at its ready time (seconds from the start of the backward pass:
+  from a job's timeline, :func:`arrivals_from_timeline`, or spread over a measured
+  backward time);
+- a compressed gradient cut into K partitions is K jobs, each ``compute -> network ->
+  compute`` (encode, then the transfers, then merge / decode: the cost model's compute
+  split in half around its network time, per partition);
+- an uncompressed gradient is one network job (its marginal fused-allreduce time; the
+  fused buffer's fixed cost is paid once, after the last uncompressed gradient);
+- one compute server (the engine's compute pool, ``sync.compute_threads`` = 1) and one
+  network server per rank, each serving jobs first come, first served in order of the
+  time they become ready.
+
+The simulation is deterministic and takes microseconds per gradient, so the planner can
+score whole plans with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from hipress.codecs import Codec
+from hipress.secopa.cost import CostModel
+from hipress.secopa.errors import SeCoPaError
+
+#: ("name", numel, ready seconds from the first arrival)
+Arrival = Tuple[str, int, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What happens to one gradient: uncompressed (fused), or a path with K partitions."""
+
+    compress: bool
+    path: str = "fused"
+    partitions: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """The simulated iteration.
+
+    Attributes:
+        backward_s: when the last gradient arrived (the end of the backward pass), s.
+        end_s: when the last gradient finished synchronizing, s (from the first arrival).
+        exposed_s: ``max(0, end_s - backward_s)``: the sync time training waits for.
+        compute_busy_s: time the compute server worked.
+        network_busy_s: time the network server worked.
+        finish_s: per gradient name, its finish time.
+    """
+
+    backward_s: float
+    end_s: float
+    exposed_s: float
+    compute_busy_s: float
+    network_busy_s: float
+    finish_s: Dict[str, float]
+
+
+def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, Choice],
+             codec: Optional[Codec], feedback: bool = False) -> Simulation:
+    """Simulate one iteration's synchronization (see the module docstring).
+
+    Args:
+        model: the cost model (profile and world size).
+        arrivals: ``(name, numel, ready_s)`` of every gradient, any order.
+        choices: per name, what the plan does with it (missing: uncompressed).
+        codec: the codec of the compressed choices.
+        feedback: residual error feedback on (the encode step's cost includes it).
+
+    Returns:
+        The :class:`Simulation`.
+
+    Raises:
+        SeCoPaError: a compressed choice without a codec, or a ready time that is
+            negative or not finite.
+    """
+    # (ready, order, resource, duration, the phases after this one, gradient)
+    heap: List[Tuple[float, int, str, float, Tuple[Tuple[str, float], ...], str]] = []
+    seq = 0
+    last_fused = None
+    fused_any = False
+    for name, numel, ready in arrivals:
+        if not (math.isfinite(ready) and ready >= 0):
+            raise SeCoPaError(f"gradient {name!r}: ready time {ready!r} must be finite, >= 0")
+        ch = choices.get(name, Choice(False))
+        if ch.compress and int(numel) >= 1:
+            if codec is None:
+                raise SeCoPaError(f"gradient {name!r} is compressed but no codec was given")
+            cost = model.compressed(codec, int(numel), ch.path, ch.partitions, feedback)
+            k = max(1, cost.partitions)
+            half = cost.compute_s / (2 * k)
+            net = cost.network_s / k
+            for _ in range(k):
+                heap.append((ready, seq, "cpu", half, (("net", net), ("cpu", half)), name))
+                seq += 1
+        else:
+            t = model.uncompressed(int(numel)).network_s
+            heap.append((ready, seq, "net", t, (), name))
+            seq += 1
+            fused_any = True
+            last_fused = max(last_fused or 0.0, ready)
+    if fused_any and model.N > 1:  # the fused buffers' fixed cost, once per iteration
+        heap.append((last_fused or 0.0, seq, "net", model.fused_fixed(), (), "<fused>"))
+        seq += 1
+    heapq.heapify(heap)
+    free = {"cpu": 0.0, "net": 0.0}
+    busy = {"cpu": 0.0, "net": 0.0}
+    finish: Dict[str, float] = {}
+    backward = max((a[2] for a in arrivals), default=0.0)
+    while heap:
+        ready, _, res, dur, rest, name = heapq.heappop(heap)
+        start = max(ready, free[res])
+        end = start + dur
+        free[res] = end
+        busy[res] += dur
+        if rest:
+            nxt_res, nxt_dur = rest[0]
+            heapq.heappush(heap, (end, seq, nxt_res, nxt_dur, rest[1:], name))
+            seq += 1
+        else:
+            finish[name] = max(finish.get(name, 0.0), end)
+    end_s = max(finish.values(), default=backward)
+    finish.pop("<fused>", None)
+    return Simulation(backward_s=backward, end_s=end_s, exposed_s=max(0.0, end_s - backward),
+                      compute_busy_s=busy["cpu"], network_busy_s=busy["net"], finish_s=finish)
+
+
+def arrivals_from_timeline(trace: Any, rank: int = 0) -> Tuple[List[List[Arrival]],
+                                                               List[Dict[str, float]]]:
+    """Return each step's arrivals and measured times from a job's timeline.
+
+    Reads the ``submit`` and ``done`` events the engine records with a timeline on
+    (``timeline: trace.json``), for one rank. Per step: the arrivals ``(name, numel,
+    ready_s)`` relative to the step's first submission, and what was measured:
+    ``{"backward_s": last submission, "end_s": last completion, "exposed_s": their
+    difference}`` (seconds, from the first submission).
+
+    Raises:
+        SeCoPaError: the timeline cannot be read or has no submit events for ``rank``.
+    """
+    if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
+        try:
+            with open(trace, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SeCoPaError(f"cannot read timeline {trace}: {exc}") from None
+    else:
+        data = trace
+    events = data.get("traceEvents", []) if isinstance(data, dict) else data
+    steps: Dict[int, Dict[str, Any]] = {}
+    for e in events:
+        if not isinstance(e, dict) or e.get("pid") != rank or e.get("name") not in (
+                "submit", "done"):
+            continue
+        a = e.get("args") or {}
+        st = steps.setdefault(int(a.get("step", 0)), {"submit": {}, "done": {}})
+        st[e["name"]][a.get("gradient")] = (float(e["ts"]) * 1e-6, int(a.get("numel", 0)))
+    if not steps:
+        raise SeCoPaError(f"the timeline has no submit events of rank {rank}: write it with "
+                          "this HiPress version (timeline: trace.json)")
+    out_arrivals, out_measured = [], []
+    for step in sorted(steps):
+        sub, done = steps[step]["submit"], steps[step]["done"]
+        names = [n for n in sub if not str(n).startswith("__")]
+        if not names:
+            continue
+        t0 = min(sub[n][0] for n in names)
+        out_arrivals.append([(n, sub[n][1], sub[n][0] - t0) for n in names])
+        back = max(sub[n][0] for n in names) - t0
+        end = max((done[n][0] for n in names if n in done), default=t0) - t0
+        out_measured.append({"backward_s": back, "end_s": end, "exposed_s": max(0.0, end - back)})
+    return out_arrivals, out_measured
