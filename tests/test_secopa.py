@@ -442,14 +442,22 @@ def test_profile_flags_load_and_keeps_a_low_percentile_with_its_spread(monkeypat
     lo, spread = prof_mod._low_and_spread([1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 9.0, 1.0, 1.0, 1.0])
     assert lo == 1.0 and spread == pytest.approx((np.percentile(
         [1.0] * 7 + [2.0, 3.0, 9.0], 80) - 1.0) / 1.0)
-    monkeypatch.setattr(prof_mod, "host_load", lambda: 0.9)
+    # a host with 4 cores, 2 s of wall time: 8 core-seconds; the profile's rank used 1
+    assert prof_mod.others_share([(0.0, 10.0, 5.0, 4)], [(2.0, 15.0, 6.0, 4)]) == 0.5
+    assert prof_mod.others_share([(0.0, 10.0, 5.0, 4)], [(2.0, 11.0, 6.0, 4)]) == 0.0
+    assert prof_mod.others_share([(0.0, -1.0, 5.0, 4)], [(2.0, -1.0, 6.0, 4)]) == 0.0
+    # two ranks of the profile on one host: both ranks' own CPU is theirs, not others'
+    assert prof_mod.others_share([(0.0, 10.0, 5.0, 4), (0.0, 10.0, 1.0, 4)],
+                                 [(2.0, 14.0, 6.0, 4), (2.0, 14.0, 2.0, 4)]) == 0.25
+    busy = iter([(0.0, 100.0, 0.0, 2), (10.0, 118.0, 1.0, 2)])  # 17 of 20 core-seconds
+    monkeypatch.setattr(prof_mod, "cpu_sample", lambda: next(busy))
     comm = MPI.COMM_SELF.Dup()
     try:
         with caplog.at_level("WARNING", logger="hipress.secopa.profile"):
             prof = run_profile(comm, ["fp16"], sizes=[256, 1024], time_budget_s=0.3)
     finally:
         comm.Free()
-    assert prof.loaded and list(prof.host_load.values()) == [0.9]
+    assert prof.loaded and list(prof.host_load.values()) == [0.85]
     assert any("taken under load" in r.getMessage() for r in caplog.records)
     assert all(f.spread >= 0 for f in (prof.codecs["fp16"].encode, prof.ef))
     again = Profile.from_json(prof.to_json())
@@ -457,7 +465,8 @@ def test_profile_flags_load_and_keeps_a_low_percentile_with_its_spread(monkeypat
     from hipress.secopa.cli import _profile_table
 
     assert "TAKEN UNDER LOAD" in _profile_table(again)
-    monkeypatch.setattr(prof_mod, "host_load", lambda: 0.1)
+    quiet_cpu = iter([(0.0, 100.0, 0.0, 2), (10.0, 103.0, 2.0, 2)])  # 1 of 20
+    monkeypatch.setattr(prof_mod, "cpu_sample", lambda: next(quiet_cpu))
     comm = MPI.COMM_SELF.Dup()
     try:
         quiet = run_profile(comm, ["fp16"], sizes=[256, 1024], time_budget_s=0.3)

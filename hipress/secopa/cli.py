@@ -132,6 +132,7 @@ def _refit(args: argparse.Namespace) -> int:
     print(f"  {'codec/primitive':<28}{'spans':>7}{'p20':>8}{'median':>8}{'p80':>8}")
     for key, r in report.items():
         print(f"  {key:<28}{r['spans']:>7}{r['p20']:>8.2f}{r['factor']:>8.2f}{r['p80']:>8.2f}")
+    print(f"  negotiation round interval (median, rank 0): {prof.round_s * 1e3:.2f} ms")
     prof.save(args.output)
     print(f"wrote {args.output}")
     return 0
@@ -179,9 +180,9 @@ def _profile_table(prof: Any) -> str:
     lines = [f"SeCoPa profile: {prof.world_size} rank(s) on {', '.join(sorted(set(prof.hosts)))}"
              f"; {prof.elapsed_s:.1f} s ({prof.warmup_s:.1f} s codec warm-up, budget "
              f"{prof.time_budget_s:g} s); step overhead {prof.step_overhead_s * 1e6:.0f} us",
-             f"  load per core: {load}" + ("  ** TAKEN UNDER LOAD: costs include other "
-                                            "programs'; profile again on a quiet cluster **"
-                                            if prof.loaded else ""),
+             f"  cores busy with other programs: {load}" + (
+                 "  ** TAKEN UNDER LOAD: costs include other programs'; profile again on a "
+                 "quiet cluster **" if prof.loaded else ""),
              head, "  (* bytes per second at large sizes: input bytes for compute, message bytes "
              "for comm)"]
     if prof.world_size > 1:

@@ -13,8 +13,13 @@ the **exposed** sync time. This module simulates that, event by event:
 - a compressed gradient cut into K partitions is K jobs, each ``compute -> network ->
   compute`` (encode, then the transfers, then merge / decode: the cost model's compute
   split in half around its network time, per partition);
-- an uncompressed gradient is one network job (its marginal fused-allreduce time; the
-  fused buffer's fixed cost is paid once, after the last uncompressed gradient);
+- every gradient waits one negotiation round after it arrives before any work on it
+  starts (``Profile.round_s``: the interval between the engine's rounds, refitted from a
+  job's timeline; 0 in a measured profile);
+- uncompressed gradients are held, as the engine holds them, until
+  :data:`FUSION_HOLD_BYTES` of them are waiting or the backward pass ends (the rank then
+  waits and flushes), and each release is one network job: their marginal
+  fused-allreduce times plus one fused buffer's fixed cost;
 - one compute server (the engine's compute pool, ``sync.compute_threads`` = 1) and one
   network server per rank, each serving jobs first come, first served in order of the
   time they become ready.
@@ -37,6 +42,8 @@ from hipress.secopa.errors import SeCoPaError
 
 #: ("name", numel, ready seconds from the first arrival)
 Arrival = Tuple[str, int, float]
+#: uncompressed bytes the engine holds before it fuses them (hipress.engine.engine)
+FUSION_HOLD_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +97,26 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, C
     # (ready, order, resource, duration, the phases after this one, gradient)
     heap: List[Tuple[float, int, str, float, Tuple[Tuple[str, float], ...], str]] = []
     seq = 0
-    last_fused = None
-    fused_any = False
-    for name, numel, ready in arrivals:
+    lag = float(getattr(model.profile, "round_s", 0.0) or 0.0)
+    backward = 0.0
+    for name, _, ready in arrivals:
         if not (math.isfinite(ready) and ready >= 0):
             raise SeCoPaError(f"gradient {name!r}: ready time {ready!r} must be finite, >= 0")
+        backward = max(backward, ready)
+    held: List[str] = []
+    held_bytes = held_s = 0.0
+
+    def release(at: float) -> None:
+        nonlocal seq, held, held_bytes, held_s
+        if held and model.N > 1:
+            label = "<fused>" + ",".join(held)
+            heap.append((at, seq, "net", held_s + model.fused_fixed(), (), label))
+            seq += 1
+        held, held_bytes, held_s = [], 0.0, 0.0
+
+    for name, numel, ready in sorted(arrivals, key=lambda a: a[2]):
         ch = choices.get(name, Choice(False))
+        start = ready + lag
         if ch.compress and int(numel) >= 1:
             if codec is None:
                 raise SeCoPaError(f"gradient {name!r} is compressed but no codec was given")
@@ -104,22 +125,19 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, C
             half = cost.compute_s / (2 * k)
             net = cost.network_s / k
             for _ in range(k):
-                heap.append((ready, seq, "cpu", half, (("net", net), ("cpu", half)), name))
+                heap.append((start, seq, "cpu", half, (("net", net), ("cpu", half)), name))
                 seq += 1
         else:
-            t = model.uncompressed(int(numel)).network_s
-            heap.append((ready, seq, "net", t, (), name))
-            seq += 1
-            fused_any = True
-            last_fused = max(last_fused or 0.0, ready)
-    if fused_any and model.N > 1:  # the fused buffers' fixed cost, once per iteration
-        heap.append((last_fused or 0.0, seq, "net", model.fused_fixed(), (), "<fused>"))
-        seq += 1
+            held.append(name)
+            held_bytes += 4.0 * int(numel)
+            held_s += model.uncompressed(int(numel)).network_s
+            if held_bytes >= FUSION_HOLD_BYTES:
+                release(start)
+    release(backward + lag)  # the rank waits for its results: the flush
     heapq.heapify(heap)
     free = {"cpu": 0.0, "net": 0.0}
     busy = {"cpu": 0.0, "net": 0.0}
     finish: Dict[str, float] = {}
-    backward = max((a[2] for a in arrivals), default=0.0)
     while heap:
         ready, _, res, dur, rest, name = heapq.heappop(heap)
         start = max(ready, free[res])
@@ -130,10 +148,12 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, C
             nxt_res, nxt_dur = rest[0]
             heapq.heappush(heap, (end, seq, nxt_res, nxt_dur, rest[1:], name))
             seq += 1
+        elif name.startswith("<fused>"):
+            for g in name[len("<fused>"):].split(","):
+                finish[g] = end
         else:
             finish[name] = max(finish.get(name, 0.0), end)
     end_s = max(finish.values(), default=backward)
-    finish.pop("<fused>", None)
     return Simulation(backward_s=backward, end_s=end_s, exposed_s=max(0.0, end_s - backward),
                       compute_busy_s=busy["cpu"], network_busy_s=busy["net"], finish_s=finish)
 

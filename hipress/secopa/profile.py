@@ -52,9 +52,10 @@ would overrun its share, after at least two sizes. Each size is measured with ad
 repetitions (>= 3, until ~30 ms of samples) and reduced to their 20th percentile
 (:data:`FIT_PERCENTILE`: the undisturbed cost, not a neighbour's burst); the largest
 relative spread of a series, ``(p80 - p20) / p20``, is kept as its fit's ``spread``.
-The 1-minute load average per core of each host, before and after, is recorded
-(``Profile.host_load``); above :data:`LOADED_PER_CORE` the profile is flagged ``loaded`` and
-a warning says so. Before the budget
+The share of each host's cores that other programs kept busy meanwhile is recorded
+(``Profile.host_load``: the host's busy CPU time from ``/proc/stat`` less the CPU time of
+the profile's own ranks on it, over wall time times cores); above :data:`LOADED_SHARE`
+the profile is flagged ``loaded`` and a warning says so. Before the budget
 starts, each codec is used once (its Numba kernels load from the disk cache or compile:
 about 0.1-2 s per codec family on a loaded two-core machine, recorded as ``warmup_s``);
 a profile thus takes warm-up + budget + well under a second (overruns of the last size of
@@ -113,8 +114,9 @@ _MIN_REPS, _MAX_REPS = 3, 25
 #: percentile of the repetitions a size is reduced to: a low one, so that the fit follows
 #: the undisturbed cost and not a neighbour's burst (the spread says how noisy it was)
 FIT_PERCENTILE = 20.0
-#: 1-minute load average per core above which a profile is flagged as taken under load
-LOADED_PER_CORE = 0.5
+#: share of a host's cores busy with other programs (not the profile's own ranks) during
+#: the measurements above which a profile is flagged as taken under load
+LOADED_SHARE = 0.25
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -245,12 +247,15 @@ class Profile(BaseModel):
         write: averaged write of a decoded result into the output vs float32 bytes.
         comm: message-pattern fits (all zero at world size 1).
         codecs: per codec key (``name`` or ``name?{json params}``) its compute fits.
-        host_load: 1-minute load average per core on each host when the measurements
-            started and ended (the larger; empty when unknown).
+        host_load: per host, the share of its cores that other programs kept busy while
+            the profile measured (0 = idle but for the profile; empty when unknown).
         loaded: the profile was taken under load (``host_load`` above
-            :data:`LOADED_PER_CORE` on some host): its costs include other programs'.
+            :data:`LOADED_SHARE` on some host): its costs include other programs'.
         source: ``measured`` (:func:`run_profile`) or ``timeline:<path>``
             (:func:`refit_from_timeline`).
+        round_s: the interval between the engine's negotiation rounds, seconds: how long
+            a gradient waits after it is ready before work on it starts (from a job's
+            timeline; 0 when unknown, as in a measured profile).
     """
 
     model_config = _STRICT
@@ -270,6 +275,7 @@ class Profile(BaseModel):
     host_load: Dict[str, float] = Field(default_factory=dict)
     loaded: bool = False
     source: str = "measured"
+    round_s: float = Field(0.0, ge=0)
 
     # ------------------------------------------------------------------ files
     @classmethod
@@ -536,12 +542,42 @@ def _low_and_spread(samples: Sequence[float]) -> Tuple[float, float]:
     return lo, max(hi - lo, 0.0) / lo
 
 
-def host_load() -> float:
-    """Return this host's 1-minute load average per core (0.0 where the OS has none)."""
+def cpu_sample() -> Tuple[float, float, float, int]:
+    """Return ``(wall s, host busy CPU s, this process's CPU s, cores)`` now.
+
+    The host's busy time comes from ``/proc/stat`` (all CPUs: total less idle and iowait);
+    where there is none (not Linux) it is reported as -1.
+    """
+    wall, own = time.monotonic(), sum(os.times()[:2])
+    cores = os.cpu_count() or 1
     try:
-        return float(os.getloadavg()[0]) / max(os.cpu_count() or 1, 1)
-    except OSError:
+        with open("/proc/stat", encoding="ascii") as f:
+            vals = [int(v) for v in f.readline().split()[1:9]]
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = (sum(vals) - vals[3] - vals[4]) / tick
+    except (OSError, ValueError, IndexError):
+        busy = -1.0
+    return wall, busy, own, cores
+
+
+def others_share(start: Sequence[Tuple[float, float, float, int]],
+                 end: Sequence[Tuple[float, float, float, int]]) -> float:
+    """Return the share of a host's cores other programs used between two samples.
+
+    Args:
+        start: :func:`cpu_sample` of every rank of the profile on that host, before.
+        end: the same ranks' samples after, in the same order.
+
+    Returns:
+        ``(host busy - the ranks' own CPU) / (wall * cores)``, clipped to [0, 1]; 0 when
+        the host's busy time is unknown.
+    """
+    if not start or start[0][1] < 0 or end[0][1] < 0:
         return 0.0
+    wall = max(end[0][0] - start[0][0], 1e-6)
+    own = sum(e[2] - s[2] for s, e in zip(start, end))
+    busy = end[0][1] - start[0][1]
+    return min(max((busy - own) / (wall * end[0][3]), 0.0), 1.0)
 
 
 def _step_overhead(comm: Any, mpi: Any) -> float:
@@ -796,7 +832,7 @@ def run_profile(
     from mpi4py import MPI
 
     t_start = time.perf_counter()
-    load_start = host_load()
+    cpu_start = cpu_sample()
     if not time_budget_s > 0:
         raise ProfileError(f"time budget must be > 0 seconds, got {time_budget_s!r}")
     sizes = sorted({int(s) for s in (sizes or DEFAULT_SIZES)})
@@ -914,8 +950,9 @@ def run_profile(
                      len(series[key].get("encode", series[key].get("ef", []))),
                      time.perf_counter() - t_start, time.perf_counter() - deadline)
 
-    loads = comm.gather(max(load_start, host_load()), root=0) if N > 1 else [
-        max(load_start, host_load())]
+    samples = [(cpu_start, cpu_sample())]
+    if N > 1:
+        samples = comm.gather(samples[0], root=0)
 
     def fitted(key: str, prim: str) -> Fit:
         return fit_line(series[key][prim]).model_copy(
@@ -924,15 +961,16 @@ def run_profile(
     text = ""
     if clock.root:
         load: Dict[str, float] = {}
-        for host, value in zip(hosts, loads):
-            load[host] = round(max(load.get(host, 0.0), float(value)), 3)
-        loaded = any(v > LOADED_PER_CORE for v in load.values())
+        for host in sorted(set(hosts)):
+            mine = [samples[r] for r in range(N) if hosts[r] == host]
+            load[host] = round(others_share([a for a, _ in mine], [b for _, b in mine]), 3)
+        loaded = any(v > LOADED_SHARE for v in load.values())
         if loaded:
             logger.warning(
-                "SeCoPa profile taken under load (1-minute load average per core: %s; above "
-                "%.1f counts as loaded): its costs include other programs' and plans made "
-                "from it may be off; profile again on a quiet cluster",
-                ", ".join(f"{h} {v:.2f}" for h, v in sorted(load.items())), LOADED_PER_CORE)
+                "SeCoPa profile taken under load (share of the cores other programs kept "
+                "busy: %s; above %.2f counts as loaded): its costs include other programs' "
+                "and plans made from it may be off; profile again on a quiet cluster",
+                ", ".join(f"{h} {v:.2f}" for h, v in sorted(load.items())), LOADED_SHARE)
         codec_profiles = {}
         for key, codec in jobs[1:]:
             fits = {prim: fitted(key, prim) for prim in series[key]}
@@ -993,8 +1031,9 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     decode+merge of P payloads: P ``merge``), and scales each codec's fits by the median
     of those ratios (:meth:`Fit.scaled`: the per-byte slopes, which dominate large
     gradients), ``ef`` and ``write`` by the encode and decode factors of the codec seen
-    most. Message costs are kept (the timeline's waits include time spent waiting for
-    other ranks, not only the wire).
+    most. ``round_s`` becomes the median interval between the timeline's negotiation
+    rounds (rank 0's). Message costs are kept (the timeline's waits include time spent
+    waiting for other ranks, not only the wire).
 
     Args:
         profile: the measured profile to start from.
@@ -1012,7 +1051,10 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     """
     ratios: Dict[Tuple[str, str], List[float]] = {}
     seen: Dict[str, int] = {}
-    for ev in _trace_events(trace):
+    events = _trace_events(trace)
+    rounds = sorted(float(e.get("ts", 0.0)) for e in events
+                    if e.get("name") == "negotiate" and e.get("pid", 0) == 0)
+    for ev in events:
         op = _SPAN_OPS.get(str(ev.get("name")))
         args = ev.get("args") or {}
         name, numel = args.get("codec"), args.get("numel")
@@ -1061,4 +1103,6 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
         upd_prof["ef"] = profile.ef.scaled(factor[main, "encode"])
     if (main, "decode") in factor:
         upd_prof["write"] = profile.write.scaled(factor[main, "decode"])
+    if len(rounds) >= 2:
+        upd_prof["round_s"] = float(np.median(np.diff(rounds))) * 1e-6
     return profile.model_copy(update=upd_prof), report
