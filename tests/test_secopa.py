@@ -594,13 +594,20 @@ def test_arrivals_from_timeline_and_plan_with_exposed_times(tmp_path, capsys):
                            "args": {"gradient": name, "step": step}})
         events.append({"name": "submit", "ph": "X", "pid": 1, "ts": t0, "dur": 0,
                        "args": {"gradient": "x", "numel": 1, "step": step}})
-    steps, measured = arrivals_from_timeline({"traceEvents": events})
+    steps, measured = arrivals_from_timeline({"traceEvents": events}, rank=0)
     assert len(steps) == 4 and len(steps[0]) == len(grads)
     assert steps[1][0] == (grads[-1][0], math.prod(grads[-1][1]), 0.0)
     assert measured[2]["backward_s"] == pytest.approx((len(grads) - 1) * 1e-3)
     assert measured[2]["exposed_s"] == pytest.approx(5e-3 + 2e-3)
     with pytest.raises(SeCoPaError, match="no submit events of rank 3"):
         arrivals_from_timeline({"traceEvents": events}, rank=3)
+    # every rank (the default): a gradient arrives when its last rank submits it
+    late = [dict(e, pid=1, ts=e["ts"] + 3000) for e in events
+            if e["pid"] == 0 and e["name"] == "submit" and e["args"]["step"] == 2]
+    both, m_both = arrivals_from_timeline({"traceEvents": events + late})
+    assert len(both[2]) == len(grads) + 1  # rank 1's "x" too
+    assert m_both[2]["backward_s"] == pytest.approx(measured[2]["backward_s"] + 3e-3)
+    assert m_both[2]["exposed_s"] == pytest.approx(measured[2]["exposed_s"] - 3e-3)
     p = plan(PROFILE4, grads, CODECS["onebit"], "ps", 4, arrivals=steps[2])
     ex = p.predicted_exposed_ms
     assert set(ex) == {"plan", "compress_everything", "threshold", "compress_nothing"}

@@ -85,7 +85,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--timeline", default=None, metavar="TRACE",
                    help="a job's timeline (timeline: trace.json): simulate each policy's "
                         "exposed sync time over its gradients' arrival times (the median "
-                        "step of rank 0 after --skip-steps) and print the step's measured one")
+                        "step after --skip-steps) and print the step's measured one")
     q.add_argument("--skip-steps", type=int, default=2, metavar="N",
                    help="warm-up steps of the timeline to leave out")
     q.add_argument("-o", "--output", default=None, metavar="FILE", help="plan file to write")
@@ -231,9 +231,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(summary_table(p))
     if measured is not None:
         i, m = measured
-        print(f"measured in {args.timeline} (rank 0, its median step {i}, under the job's "
-              f"own policy): backward {m['backward_s'] * 1e3:.2f} ms, last gradient done "
-              f"{m['end_s'] * 1e3:.2f} ms, exposed {m['exposed_s'] * 1e3:.2f} ms")
+        print(f"measured in {args.timeline} (its median step {i}, every rank, under the "
+              f"job's own policy): last gradient ready {m['backward_s'] * 1e3:.2f} ms, last "
+              f"done {m['end_s'] * 1e3:.2f} ms, exposed {m['exposed_s'] * 1e3:.2f} ms")
     if args.verbose:
         print(option_table(p, prof, grads, codec, args.fusion_bytes))
     if args.output:

@@ -158,18 +158,25 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, C
                       compute_busy_s=busy["cpu"], network_busy_s=busy["net"], finish_s=finish)
 
 
-def arrivals_from_timeline(trace: Any, rank: int = 0) -> Tuple[List[List[Arrival]],
-                                                               List[Dict[str, float]]]:
+def arrivals_from_timeline(trace: Any, rank: Optional[int] = None) -> Tuple[
+        List[List[Arrival]], List[Dict[str, float]]]:
     """Return each step's arrivals and measured times from a job's timeline.
 
     Reads the ``submit`` and ``done`` events the engine records with a timeline on
-    (``timeline: trace.json``), for one rank. Per step: the arrivals ``(name, numel,
-    ready_s)`` relative to the step's first submission, and what was measured:
-    ``{"backward_s": last submission, "end_s": last completion, "exposed_s": their
-    difference}`` (seconds, from the first submission).
+    (``timeline: trace.json``). A gradient can be synchronized only once every rank has
+    submitted it, and ranks that share cores end their backward passes at different
+    times (here up to 0.2 s apart), so by default (``rank=None``) a gradient's arrival is
+    its latest submission over the ranks and its end its latest completion; with
+    ``rank`` only that rank's events count (its waits then include the other ranks'
+    lateness). The ranks' clocks must be comparable (one machine, or synchronized).
+
+    Returns:
+        ``(steps, measured)``: per step, the arrivals ``(name, numel, ready_s)`` relative
+        to the step's first arrival, and ``{"backward_s": last arrival, "end_s": last
+        completion, "exposed_s": their difference}`` (seconds from the first arrival).
 
     Raises:
-        SeCoPaError: the timeline cannot be read or has no submit events for ``rank``.
+        SeCoPaError: the timeline cannot be read or has no submit events (of ``rank``).
     """
     if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
         try:
@@ -182,14 +189,18 @@ def arrivals_from_timeline(trace: Any, rank: int = 0) -> Tuple[List[List[Arrival
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     steps: Dict[int, Dict[str, Any]] = {}
     for e in events:
-        if not isinstance(e, dict) or e.get("pid") != rank or e.get("name") not in (
-                "submit", "done"):
+        if not isinstance(e, dict) or e.get("name") not in ("submit", "done") or (
+                rank is not None and e.get("pid") != rank):
             continue
         a = e.get("args") or {}
         st = steps.setdefault(int(a.get("step", 0)), {"submit": {}, "done": {}})
-        st[e["name"]][a.get("gradient")] = (float(e["ts"]) * 1e-6, int(a.get("numel", 0)))
+        name, ts = a.get("gradient"), float(e["ts"]) * 1e-6
+        old = st[e["name"]].get(name)
+        st[e["name"]][name] = (max(ts, old[0]) if old else ts,
+                               int(a.get("numel", 0)) or (old[1] if old else 0))
     if not steps:
-        raise SeCoPaError(f"the timeline has no submit events of rank {rank}: write it with "
+        who = "any rank" if rank is None else f"rank {rank}"
+        raise SeCoPaError(f"the timeline has no submit events of {who}: write it with "
                           "this HiPress version (timeline: trace.json)")
     out_arrivals, out_measured = [], []
     for step in sorted(steps):

@@ -1,0 +1,285 @@
+"""SeCoPa end to end: the pipeline model's predictions against training on the cluster.
+
+One run, on the emulated cluster of ``bench/README.md`` (or ``--local``), for one model
+and codec:
+
+1. ``hipress profile`` on the cluster (``--profile-budget`` seconds, every rank);
+2. train with the engine's fixed policy (``threshold``: compress gradients of >= 64 KiB,
+   ``ceil(bytes / 4 MiB)`` partitions) with a timeline, and refit the profile's compute
+   costs and negotiation round from it (``hipress profile --from-timeline``);
+3. plan from the refitted profile and that timeline (``hipress plan --timeline``): the
+   ``plan`` policy's file;
+4. train with ``compress_everything`` (``compression.min_compress_bytes: 0``),
+   ``compress_nothing`` (``--codec none``) and ``plan`` (``sync.plan: <the file>``), each
+   with a timeline;
+5. for each policy: the **measured** exposed sync time per step (from the timeline: the
+   last completion minus the last arrival, a gradient arriving when its last rank
+   submits it; median over the timed steps) and step
+   time (the workers' median), against the exposed time **predicted** by
+   :func:`hipress.secopa.pipeline.simulate` from the refitted profile, the policy's own
+   choices and the arrival times of that job's median step.
+
+Usage (root, for the network namespaces)::
+
+    python bench/secopa_pipeline.py --model resnet50 --codec onebit
+    python bench/secopa_pipeline.py --model vgg19 --codec onebit --iters 3
+
+Writes ``<out>/<model>-<codec>-<rate>.json`` and ``.md`` (default ``bench/results/
+secopa-pipeline``); every job's command and log lines go to ``<out>/jobs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+POLICIES = ("threshold", "compress_everything", "compress_nothing", "plan")
+#: the engine's defaults (hipress.config): compression.min_compress_bytes, sync.partition_bytes
+MIN_COMPRESS_BYTES = 64 * 1024
+PARTITION_BYTES = 4 * 1024 * 1024
+
+
+def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="resnet50", help="resnet50 or vgg19")
+    p.add_argument("--codec", default="onebit")
+    p.add_argument("--strategy", default="ps", choices=("ps", "ring"))
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--local", action="store_true", help="localhost, no emulated links")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--profile-budget", type=float, default=40.0)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--job-timeout", type=float, default=900.0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "secopa-pipeline"))
+    return p.parse_args(argv)
+
+
+def loadavg() -> List[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class Runner:
+    """Runs commands on every rank of the cluster (or localhost), logging each job."""
+
+    def __init__(self, args: argparse.Namespace, hosts: Optional[str], env: Dict[str, str],
+                 jobdir: Path) -> None:
+        self.args, self.hosts, self.env, self.jobdir = args, hosts, env, jobdir
+        bindir = Path(sys.executable).parent
+        self.mpirun = str(bindir / "mpirun") if (bindir / "mpirun").exists() else "mpirun"
+
+    def mpirun_cmd(self, argv: Sequence[str], extra_env: Dict[str, str]) -> List[str]:
+        """Return the mpirun command line running ``argv`` with ``extra_env`` exported."""
+        n = self.args.hosts
+        cmd = [self.mpirun, "-np", str(n)]
+        cmd += ["-H", self.hosts] if self.hosts else ["--oversubscribe"]
+        cmd += ["--bind-to", "none", "--map-by", "slot", "-x", "PYTHONUNBUFFERED"]
+        for k in extra_env:
+            cmd += ["-x", k]
+        return cmd + list(argv)
+
+    def run(self, tag: str, argv: Sequence[str], extra_env: Optional[Dict[str, str]] = None
+            ) -> int:
+        """Run ``argv`` on every rank, its output to ``<jobdir>/<tag>.log``; the exit code."""
+        extra = dict(extra_env or {})
+        cmd = self.mpirun_cmd(argv, extra)
+        env = dict(self.env, PYTHONUNBUFFERED="1", **extra)
+        print(f"=== {tag}: load {loadavg()}\n    {shlex.join(cmd)}", flush=True)
+        t0 = time.time()
+        with open(self.jobdir / f"{tag}.log", "w") as log:
+            log.write(shlex.join(cmd) + "\n")
+            log.flush()
+            try:
+                rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     timeout=self.args.job_timeout)
+            except subprocess.TimeoutExpired:
+                rc = 124
+        print(f"    exit {rc} after {time.time() - t0:.0f} s", flush=True)
+        return rc
+
+
+def fixed_choices(grads: Sequence[Any], min_bytes: int) -> Dict[str, Any]:
+    """The engine's fixed policy per gradient (compress >= min_bytes, 4 MiB partitions)."""
+    from hipress.secopa.pipeline import Choice
+
+    out = {}
+    for name, shape in grads:
+        nbytes = 4 * math.prod(shape)
+        out[name] = Choice(True, "ps", max(1, math.ceil(nbytes / PARTITION_BYTES))) \
+            if nbytes >= min_bytes and nbytes > 0 else Choice(False)
+    return out
+
+
+def measured(trace: Path, warmup: int) -> Dict[str, Any]:
+    """The median step after ``warmup``: its arrivals and measured exposed time."""
+    from hipress.secopa.pipeline import arrivals_from_timeline
+
+    steps, meas = arrivals_from_timeline(str(trace))
+    keep = list(range(min(warmup, len(steps) - 1), len(steps)))
+    mid = sorted(keep, key=lambda i: meas[i]["exposed_s"])[(len(keep) - 1) // 2]
+    return {"arrivals": steps[mid], "step": mid, **meas[mid],
+            "exposed_all_s": [meas[i]["exposed_s"] for i in keep]}
+
+
+def worker_step_s(prefix: Path, n: int) -> Optional[float]:
+    """The slowest rank's median step time from the train_e2e workers' JSON files."""
+    meds = []
+    for r in range(n):
+        f = Path(f"{prefix}.rank{r}.json")
+        if not f.exists():
+            return None
+        steps = json.loads(f.read_text())["steps"]
+        meds.append(statistics.median(s["step_s"] for s in steps))
+    return max(meds)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse(argv)
+    out = Path(args.out)
+    jobdir = out / "jobs"
+    jobdir.mkdir(parents=True, exist_ok=True)
+    rate = "local" if args.local else args.rate
+    tag = f"{args.model}-{args.codec}-{rate}"
+    if args.local:
+        return run_all(args, Runner(args, None, dict(os.environ), jobdir), out, tag)
+    from hipress.testing.emucluster import EmulatedCluster, namespaces_unavailable
+
+    reason = namespaces_unavailable()
+    if reason is not None:
+        print(f"cannot build the emulated cluster: {reason} (try --local)", file=sys.stderr)
+        return 2
+    with EmulatedCluster(args.hosts, rate=args.rate) as cluster:
+        print(f"=== {cluster!r}; load {loadavg()}", flush=True)
+        return run_all(args, Runner(args, cluster.hosts_arg(), cluster.env(os.environ),
+                                    jobdir), out, tag)
+
+
+def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> int:
+    from hipress.codecs import get_codec
+    from hipress.secopa.cost import CostModel
+    from hipress.secopa.pipeline import Choice, simulate
+    from hipress.secopa.planner import Plan, load_gradients
+    from hipress.secopa.profile import Profile, refit_from_timeline
+
+    py, hp_cli = sys.executable, str(Path(sys.executable).parent / "hipress")
+    work = out / "jobs" / tag
+    work.mkdir(parents=True, exist_ok=True)
+    policies = [p for p in args.policies.split(",") if p]
+    load_start = loadavg()
+    prof_path = work / "profile.json"
+    rc = runner.run(f"{tag}-profile", [hp_cli, "profile", "--codecs", args.codec,
+                                       "--time-budget", str(args.profile_budget), "-o",
+                                       str(prof_path)])
+    if rc or not prof_path.exists():
+        print(f"profile failed (exit {rc}); see {out / 'jobs'}", file=sys.stderr)
+        return 1
+
+    def train(policy: str, env: Dict[str, str], codec: str) -> Dict[str, Any]:
+        trace = work / f"{policy}.trace.json"
+        prefix = work / f"{policy}"
+        for old in [trace, *work.glob(f"{policy}.rank*.json")]:
+            old.unlink(missing_ok=True)
+        rc = runner.run(f"{tag}-{policy}", [
+            py, str(ROOT / "bench" / "train_e2e_worker.py"), "--system", "hipress", "--model",
+            args.model, "--batch-size", str(args.batch_size), "--image-size",
+            str(args.image_size), "--warmup", str(args.warmup), "--iters", str(args.iters),
+            "--codec", codec, "--strategy", args.strategy, "--json", str(prefix)],
+            dict(env, HIPRESS_TIMELINE=str(trace)))
+        return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts)}
+
+    grads = load_gradients(args.model)
+    jobs: Dict[str, Dict[str, Any]] = {}
+    jobs["threshold"] = train("threshold", {}, args.codec)
+    if jobs["threshold"]["rc"] or not jobs["threshold"]["trace"].exists():
+        print("the threshold job failed; nothing to refit from", file=sys.stderr)
+        return 1
+    refit, report = refit_from_timeline(Profile.load(prof_path), str(jobs["threshold"]["trace"]))
+    refit_path = work / "profile.refit.json"
+    refit.save(refit_path)
+    plan_path = work / "plan.json"
+    subprocess.run([hp_cli, "plan", "--profile", str(refit_path), "--gradients", args.model,
+                    "--strategy", args.strategy, "--world-size", str(args.hosts), "--codec",
+                    args.codec, "--timeline", str(jobs["threshold"]["trace"]),
+                    "--skip-steps", str(args.warmup), "-o", str(plan_path)], check=True)
+    everything_cfg = work / "everything.yaml"
+    everything_cfg.write_text("compression:\n  min_compress_bytes: 0\n")
+    plan_cfg = work / "plan.yaml"
+    plan_cfg.write_text(f"sync:\n  plan: {json.dumps(str(plan_path))}\n")
+    if "compress_everything" in policies:
+        jobs["compress_everything"] = train("compress_everything",
+                                            {"HIPRESS_CONFIG": str(everything_cfg)}, args.codec)
+    if "compress_nothing" in policies:
+        jobs["compress_nothing"] = train("compress_nothing", {}, "none")
+    if "plan" in policies:
+        jobs["plan"] = train("plan", {"HIPRESS_CONFIG": str(plan_cfg)}, args.codec)
+
+    codec = get_codec(args.codec)
+    model = CostModel(refit, args.hosts)
+    plan_file = Plan.load(plan_path)
+    choices = {
+        "threshold": fixed_choices(grads, MIN_COMPRESS_BYTES),
+        "compress_everything": fixed_choices(grads, 1),
+        "compress_nothing": {n: Choice(False) for n, _ in grads},
+        "plan": {g.name: Choice(g.compress, g.strategy if g.compress else "fused",
+                                g.partitions) for g in plan_file.gradients},
+    }
+    rows = []
+    for policy, job in jobs.items():
+        row: Dict[str, Any] = {"policy": policy, "rc": job["rc"], "step_s": job["step_s"]}
+        if job["trace"].exists():
+            m = measured(job["trace"], args.warmup)
+            sim = simulate(model, m["arrivals"], choices[policy], codec, True)
+            row.update(measured_exposed_s=m["exposed_s"], backward_s=m["backward_s"],
+                       exposed_all_s=m["exposed_all_s"], predicted_exposed_s=sim.exposed_s,
+                       predicted_step_s=(job["step_s"] - m["exposed_s"] + sim.exposed_s)
+                       if job["step_s"] else None,
+                       compressed=sum(c.compress for c in choices[policy].values()))
+        rows.append(row)
+    best_fixed = min((r["step_s"] for r in rows if r["policy"] != "plan" and r["step_s"]),
+                     default=None)
+    meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
+            "rate": "local" if runner.hosts is None else args.rate, "hosts": args.hosts,
+            "batch_size": args.batch_size, "image_size": args.image_size,
+            "warmup": args.warmup, "iters": args.iters, "load_start": load_start,
+            "load_end": loadavg(), "refit": report, "round_s": refit.round_s,
+            "plan_predicted_exposed_ms": plan_file.predicted_exposed_ms,
+            "argv": sys.argv[1:]}
+    (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"SeCoPa pipeline model vs training: {args.model}, {args.codec} "
+             f"({args.strategy}), {args.hosts} hosts at {meta['rate']}, load {load_start} -> "
+             f"{meta['load_end']}; refit factors "
+             + ", ".join(f"{k} {v['factor']:.2f}" for k, v in report.items())
+             + f"; round {refit.round_s * 1e3:.1f} ms", "",
+             "| policy | compressed | step s | exposed s measured | exposed s predicted | "
+             "predicted / measured | step vs best fixed |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        me, pr = r.get("measured_exposed_s"), r.get("predicted_exposed_s")
+        ratio = f"{pr / me:.2f}" if me and pr is not None else "-"
+        vs = f"{r['step_s'] / best_fixed:.2f}x" if best_fixed and r["step_s"] else "-"
+        lines.append(f"| {r['policy']} | {r.get('compressed', '-')}/{len(grads)} | "
+                     f"{r['step_s']:.3f} | {me:.3f} | {pr:.3f} | {ratio} | {vs} |"
+                     if r["step_s"] and me is not None else
+                     f"| {r['policy']} | failed (exit {r['rc']}) | | | | | |")
+    text = "\n".join(lines)
+    (out / f"{tag}.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
