@@ -182,8 +182,15 @@ class MPIRunner(abc.ABC):
     def get_env(
         self, spec: LaunchSpec, environ: Optional[Mapping[str, str]] = None
     ) -> Dict[str, str]:
-        """Return the environment to run the launcher with (``environ`` + forwarded vars)."""
+        """Return the environment to run the launcher with (``environ`` + forwarded vars).
+
+        The folder of this Python (a virtual environment's ``bin``) leads ``PATH`` when it
+        is not on it, so that ``python`` and ``hipress`` in the worker command are this
+        environment's even when it was not activated (``.venv/bin/hipressrun -np 4
+        python train.py``), as the ``mpirun`` beside this Python is used.
+        """
         environ = dict(os.environ if environ is None else environ)
+        environ["PATH"] = with_python_bin(environ.get("PATH", ""))
         environ.update(self.forwarded_env(spec, environ))
         return environ
 
@@ -194,6 +201,15 @@ class MPIRunner(abc.ABC):
         Raises:
             MPIError: the spec is invalid or this flavour cannot express it.
         """
+
+
+def with_python_bin(path: str) -> str:
+    """Return ``path`` (a ``PATH`` value) led by this Python's folder if it is not on it."""
+    here = os.path.dirname(sys.executable)
+    parts = [p for p in path.split(os.pathsep) if p]
+    if not here or any(os.path.abspath(p) == os.path.abspath(here) for p in parts):
+        return path
+    return os.pathsep.join([here] + parts)
 
 
 class OpenMPIRunner(MPIRunner):

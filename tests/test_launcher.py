@@ -190,7 +190,11 @@ def test_openmpi_argv_multi_host_full():
         *WRAP, "python", "train.py", "--lr", "0.1"]
     env = r.get_env(spec, environ)
     assert env["A"] == 'has spaces "and" quotes' and env["HIPRESS_CONFIG"] == "/j.yaml"
-    assert env["HOME"] == "/root" and env["PATH"] == "/venv/bin:/usr/bin"
+    # this Python's folder leads PATH, so an unactivated venv's python/hipress run
+    here = os.path.dirname(sys.executable)
+    assert env["HOME"] == "/root" and env["PATH"] == f"{here}:/venv/bin:/usr/bin"
+    already = {"PATH": f"/usr/bin:{here}"}
+    assert r.get_env(spec, already)["PATH"] == f"/usr/bin:{here}"
 
 
 def test_openmpi_argv_hostfile_and_local_hosts():

@@ -20,6 +20,17 @@ from hipress.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show ``(default: X)`` only for options with a real default (not None or False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or action.required \
+                or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``profile`` and ``plan`` commands to the ``hipress`` parser."""
     from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS
@@ -33,9 +44,11 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                     "write a profile file. Run it under hipressrun/mpirun on the cluster in "
                     "question (every rank takes part); at one rank it profiles the codecs "
                     "and records zero communication cost. It measures for --time-budget "
-                    "seconds (default %(default)s), plus the codecs' first use (kernel "
-                    "loading, typically 0.1-2 s per codec).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    f"seconds (default {DEFAULT_TIME_BUDGET_S:g}), plus the codecs' first "
+                    "use (kernel loading, typically 0.1-2 s per codec). With "
+                    "--from-timeline it measures nothing: it rescales --profile to a job's "
+                    "timeline.",
+        formatter_class=_DefaultsFormatter)
     p.add_argument("--codecs", nargs="+", metavar="NAME", default=None,
                    help="codecs to profile (default: every registered codec that builds "
                         "without parameters)")
@@ -62,7 +75,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                     "SeCoPa's cost model for the profile, codec, strategy and world size; "
                     "print the predicted per-iteration sync time of the plan, of compressing "
                     "everything, of the engine's fixed threshold and of compressing nothing.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     q.add_argument("--profile", required=True, metavar="FILE", help="from `hipress profile`")
     q.add_argument("--gradients", required=True, metavar="G",
                    help="gradient-set JSON ({'gradients': [{'name', 'shape'}]}) or a shipped "
@@ -75,7 +88,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--params", default="{}", metavar="JSON", help="codec parameters")
     q.add_argument("--memory", default="auto", choices=("auto", "none", "residual", "dgc"),
                    help="compression.memory of the job (error feedback in the encode step)")
-    q.add_argument("--max-partitions", type=int, default=DEFAULT_MAX_PARTITIONS, metavar="K")
+    q.add_argument("--max-partitions", type=int, default=DEFAULT_MAX_PARTITIONS, metavar="K",
+                   help="largest number of partitions tried per gradient")
     q.add_argument("--fusion-bytes", type=int, default=64 * 1024 * 1024, metavar="B",
                    help="sync.fusion_threshold_bytes")
     q.add_argument("--min-compress-bytes", type=int, default=65536, metavar="B",
