@@ -144,3 +144,15 @@ def test_cupy_arrays_run_the_generated_kernels(name, params):
             assert a.get().tobytes() == b.tobytes(), (name, i)
     y = codec.decode(pc)
     assert isinstance(y, cp.ndarray) and y.dtype == np.float32 and y.shape == x.shape
+
+
+def test_the_kernels_do_not_keep_their_codec_alive(routed):
+    import gc
+
+    codec = get_codec("terngrad", seed=1)
+    codec.encode(np.ones(64, np.float32), "g")
+    assert len([c for c in base._DEVICE_CODECS if c is codec]) == 1
+    del codec
+    gc.collect()
+    assert not any(type(c).__name__ == "TernGradCodec" and c.seed == 1
+                   for c in base._DEVICE_CODECS)

@@ -334,10 +334,10 @@ class Codec(abc.ABC):
     def _device_codec(self, xp: Any, dtype: Any) -> Optional[Codec]:
         """Return the generated CompLL codec that runs this codec on ``xp``'s device, or None.
 
-        The paper's point (and the H200 figures in bench/README.md): a codec must run as
-        fused device kernels, while this class's array code launches a kernel per NumPy
-        operation (onebit encoded at 2.7 GB/s that way, its CompLL kernels at 757 GB/s and
-        more). So device arrays of a codec with :attr:`device_kernels` are encoded and
+        The paper's point: a codec must run as fused device kernels, while this class's
+        array code launches a kernel per NumPy operation (measured on an H200: onebit
+        encoded at 2.7 GB/s that way, its generated CompLL kernels at 757 GB/s and more).
+        So device arrays of a codec with :attr:`device_kernels` are encoded and
         decoded by ``compll.<device_kernels>`` built with this codec's parameters (less
         :attr:`device_params_skip`); it shares this codec's step counters and rank, so
         the random streams and the checkpointed state are this codec's. Payloads keep this
@@ -544,10 +544,24 @@ def _make_device_codec(codec: Codec) -> Optional[Codec]:
                 "codec %r runs its array code on the device: its CompLL kernels "
                 "(compll.%s) did not load: %s", codec.name, spec, exc)
             return None
-        if hasattr(codec, "_next_step"):
-            fast._next_step = codec._next_step  # one set of step counters: the codec's
+        if hasattr(codec, "_next_step"):  # one set of step counters: the codec's
+            fast._next_step = _steps_of(weakref.ref(codec))
         _DEVICE_CODECS[codec] = fast
         return fast
+
+
+def _steps_of(ref: Any) -> Callable[[str], int]:
+    """Return ``name -> step`` drawing on the codec behind the weak reference ``ref``.
+
+    Weak, so the generated codec (a value of the weak-keyed :data:`_DEVICE_CODECS`) does
+    not keep its codec alive.
+    """
+    def next_step(name: str) -> int:
+        codec = ref()
+        if codec is None:
+            raise CodecError("the codec of these device kernels was garbage-collected")
+        return codec._next_step(name)
+    return next_step
 
 
 def register_codec(name: str, codec_id: int) -> Callable[[Type[Codec]], Type[Codec]]:

@@ -49,6 +49,7 @@ from pydantic import (
 from hipress.codecs import Codec
 from hipress.secopa.cost import DEFAULT_FUSION_BYTES, Cost, CostModel, engine_paths
 from hipress.secopa.errors import PlanError, SeCoPaError, format_validation_error
+from hipress.secopa.pipeline import Choice, simulate
 from hipress.secopa.profile import Profile
 
 PLAN_VERSION = 1
@@ -473,8 +474,6 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
     }
     exposed: Dict[str, float] = {}
     if arrivals is not None:
-        from hipress.secopa.pipeline import Choice, simulate
-
         ready = {str(a[0]): float(a[2]) for a in arrivals}
         end = max(ready.values(), default=0.0)
         arr = [(nm, n, ready.get(nm, end)) for nm, n in zip(names, numels)]

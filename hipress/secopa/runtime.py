@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 #: measurement budget (seconds) of the profile made for ``sync.plan: auto``
 AUTO_PROFILE_S = 5.0
 
+
 class PlanFollower:
     """Decides compress / partitions / strategy per gradient from ``sync.plan``.
 
