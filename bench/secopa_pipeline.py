@@ -46,9 +46,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 POLICIES = ("threshold", "compress_everything", "compress_nothing", "plan")
-#: the engine's defaults (hipress.config): compression.min_compress_bytes, sync.partition_bytes
-MIN_COMPRESS_BYTES = 64 * 1024
-PARTITION_BYTES = 4 * 1024 * 1024
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -113,27 +110,35 @@ class Runner:
         return rc
 
 
-def fixed_choices(grads: Sequence[Any], min_bytes: int) -> Dict[str, Any]:
-    """The engine's fixed policy per gradient (compress >= min_bytes, 4 MiB partitions)."""
-    from hipress.secopa.pipeline import Choice
+def fixed_choices(grads: Sequence[Any], strategy: str, config: Dict[str, Any]) -> Dict[str, Any]:
+    """What the engine's fixed policy does with each gradient under ``config``.
 
-    out = {}
-    for name, shape in grads:
-        nbytes = 4 * math.prod(shape)
-        out[name] = Choice(True, "ps", max(1, math.ceil(nbytes / PARTITION_BYTES))) \
-            if nbytes >= min_bytes and nbytes > 0 else Choice(False)
-    return out
+    :class:`hipress.engine.planning.FixedPolicy` itself, on the config the job ran with
+    (its defaults plus ``config``): the decisions the timeline's job made.
+    """
+    import types
+
+    import numpy as np
+
+    from hipress.codecs import get_codec
+    from hipress.config import config_from_dict
+    from hipress.engine.planning import FixedPolicy
+
+    policy = FixedPolicy(config_from_dict(config))
+    codec = get_codec("fp16")  # any codec: the policy only asks whether there is one
+    f32 = np.dtype(np.float32)
+    return {name: policy.decide(name, types.SimpleNamespace(size=math.prod(shape), dtype=f32),
+                                codec, strategy) for name, shape in grads}
 
 
 def measured(trace: Path, warmup: int) -> Dict[str, Any]:
     """The median step after ``warmup``: its arrivals and measured exposed time."""
-    from hipress.secopa.pipeline import arrivals_from_timeline
+    from hipress.secopa.pipeline import arrivals_from_timeline, median_step
 
     steps, meas = arrivals_from_timeline(str(trace))
-    keep = list(range(min(warmup, len(steps) - 1), len(steps)))
-    mid = sorted(keep, key=lambda i: meas[i]["exposed_s"])[(len(keep) - 1) // 2]
+    mid = median_step(meas, warmup)
     return {"arrivals": steps[mid], "step": mid, **meas[mid],
-            "exposed_all_s": [meas[i]["exposed_s"] for i in keep]}
+            "exposed_all_s": [m["exposed_s"] for m in meas[min(warmup, len(meas) - 1):]]}
 
 
 def worker_step_s(prefix: Path, n: int) -> Optional[float]:
@@ -171,8 +176,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> int:
     from hipress.codecs import get_codec
+    from hipress.engine.planning import Decision
     from hipress.secopa.cost import CostModel
-    from hipress.secopa.pipeline import Choice, simulate
+    from hipress.secopa.pipeline import UNCOMPRESSED, simulate
     from hipress.secopa.planner import Plan, load_gradients
     from hipress.secopa.profile import Profile, refit_from_timeline
 
@@ -216,8 +222,9 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
                     "--strategy", args.strategy, "--world-size", str(args.hosts), "--codec",
                     args.codec, "--timeline", str(jobs["threshold"]["trace"]),
                     "--skip-steps", str(args.warmup), "-o", str(plan_path)], check=True)
+    everything = {"compression": {"min_compress_bytes": 0}}
     everything_cfg = work / "everything.yaml"
-    everything_cfg.write_text("compression:\n  min_compress_bytes: 0\n")
+    everything_cfg.write_text(json.dumps(everything))  # YAML reads JSON
     plan_cfg = work / "plan.yaml"
     plan_cfg.write_text(f"sync:\n  plan: {json.dumps(str(plan_path))}\n")
     if "compress_everything" in policies:
@@ -232,11 +239,11 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     model = CostModel(refit, args.hosts)
     plan_file = Plan.load(plan_path)
     choices = {
-        "threshold": fixed_choices(grads, MIN_COMPRESS_BYTES),
-        "compress_everything": fixed_choices(grads, 1),
-        "compress_nothing": {n: Choice(False) for n, _ in grads},
-        "plan": {g.name: Choice(g.compress, g.strategy if g.compress else "fused",
-                                g.partitions) for g in plan_file.gradients},
+        "threshold": fixed_choices(grads, args.strategy, {}),
+        "compress_everything": fixed_choices(grads, args.strategy, everything),
+        "compress_nothing": {n: UNCOMPRESSED for n, _ in grads},
+        "plan": {g.name: Decision(g.compress, g.partitions, g.strategy)
+                 for g in plan_file.gradients},
     }
     rows = []
     for policy, job in jobs.items():

@@ -122,6 +122,14 @@ def test_timeline_is_a_chrome_trace(tmp_path):
                and e["args"]["feedback"] is True for e in enc)
     dec = [e for e in events if e["name"] in ("decode", "decode+merge")]
     assert dec and all(e["args"]["codec"] == "onebit" and e["args"]["numel"] >= 1 for e in dec)
+    # what SeCoPa's pipeline model reads: every allreduce's submission, grouped ones too,
+    # on every rank (broadcasts and join fillers are not arrivals)
+    subs = [e for e in events if e["name"] == "submit"]
+    assert sorted((e["pid"], e["args"]["gradient"], e["args"]["numel"]) for e in subs) == sorted(
+        (r, name, n) for r in range(3) for name, n in (("tl.onebit", 5000), ("tl.g0", 10),
+                                                        ("tl.g1", 10)))
+    done = {(e["pid"], e["args"]["gradient"]) for e in events if e["name"] == "done"}
+    assert {(e["pid"], e["args"]["gradient"]) for e in subs} <= done
     assert all(e["dur"] >= 0 and "ts" in e for e in events)
     assert data["otherData"]["world_size"] == 3
 

@@ -534,14 +534,15 @@ def test_refit_from_timeline_scales_compute_to_what_training_measured(tmp_path, 
 
 # ----------------------------------------------------------------------------- pipeline
 def test_simulation_of_lone_gradients_is_their_own_cost():
-    from hipress.secopa.pipeline import Choice, simulate
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import simulate
 
     model, onebit = CostModel(PROFILE4, 4), CODECS["onebit"]
     n = 2_000_000
     c = model.compressed(onebit, n, "ps", 1, True)
     # far apart: nothing shares a resource; K = 1 is compute, network, compute in turn
     sim = simulate(model, [("a", n, 0.0), ("b", n, 100.0)],
-                   {"a": Choice(True, "ps", 1), "b": Choice(True, "ps", 1)}, onebit, True)
+                   {"a": Decision(True, 1, "ps"), "b": Decision(True, 1, "ps")}, onebit, True)
     assert sim.finish_s["a"] == pytest.approx(c.compute_s + c.network_s)
     assert sim.exposed_s == pytest.approx(c.compute_s + c.network_s)
     assert sim.backward_s == 100.0 and sim.end_s == pytest.approx(100.0 + c.total_s)
@@ -553,12 +554,13 @@ def test_simulation_of_lone_gradients_is_their_own_cost():
 
 
 def test_simulation_shares_compute_and_link_and_pipelines_partitions():
-    from hipress.secopa.pipeline import Choice, simulate
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import simulate
 
     model, onebit = CostModel(PROFILE4, 4), CODECS["onebit"]
     n = 4_000_000
     c = model.compressed(onebit, n, "ps", 1, True)
-    both = {"a": Choice(True, "ps", 1), "b": Choice(True, "ps", 1)}
+    both = {"a": Decision(True, 1, "ps"), "b": Decision(True, 1, "ps")}
     sim = simulate(model, [("a", n, 0.0), ("b", n, 0.0)], both, onebit, True)
     half, net = c.compute_s / 2, c.network_s
     # a encodes in [0, h] and sends in [h, h+w]; b encodes in [h, 2h]; a's decode starts
@@ -570,10 +572,10 @@ def test_simulation_shares_compute_and_link_and_pipelines_partitions():
     assert sim.network_busy_s == pytest.approx(2 * net)
     # K partitions of one gradient overlap their compute with their transfers
     k8 = model.compressed(onebit, n, "ps", 8, True)
-    sim8 = simulate(model, [("a", n, 0.0)], {"a": Choice(True, "ps", 8)}, onebit, True)
+    sim8 = simulate(model, [("a", n, 0.0)], {"a": Decision(True, 8, "ps")}, onebit, True)
     assert max(k8.compute_s, k8.network_s) - 1e-12 <= sim8.end_s < k8.compute_s + k8.network_s
     with pytest.raises(SeCoPaError, match="no codec"):
-        simulate(model, [("a", n, 0.0)], {"a": Choice(True, "ps", 1)}, None)
+        simulate(model, [("a", n, 0.0)], {"a": Decision(True, 1, "ps")}, None)
     with pytest.raises(SeCoPaError, match="ready time"):
         simulate(model, [("a", n, float("nan"))], {}, None)
 

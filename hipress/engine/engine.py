@@ -87,7 +87,7 @@ _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.004
 #: small uncompressed gradients ready on every rank are held until this many bytes of them
 #: can go in one fused allreduce, or a rank waits for a result (Engine._release_fused)
-_FUSION_HOLD_BYTES = 1 << 20
+FUSION_HOLD_BYTES = 1 << 20
 #: longest interval between negotiation rounds while no rank has new names
 _IDLE_ROUND_MAX_S = 0.05
 
@@ -280,10 +280,6 @@ class Engine:
         sub, handle = self._allreduce_sub(array, name, op, codec, strategy, contributes,
                                           inplace)
         if sub is not None:
-            if self.timeline.enabled:  # when each gradient became ready (SeCoPa's arrivals)
-                self.timeline.add("submit", self.timeline.now_us(), 0.0, gradient=name,
-                                  numel=int(sub.array.size), step=self.step_count,
-                                  codec=sub.codec.name if sub.codec is not None else "none")
             self._enqueue(sub)
         return handle
 
@@ -872,6 +868,13 @@ class Engine:
                 sub.handle._engine = self
                 self._inflight[sub.name] = sub
                 self._queue.append(sub)
+        if self.timeline.enabled:  # when each gradient became ready (SeCoPa's arrivals)
+            now = self.timeline.now_us()
+            for sub in subs:
+                if sub.kind == "allreduce" and not sub.filler:
+                    self.timeline.add("submit", now, 0.0, gradient=sub.name,
+                                      numel=int(sub.array.size), step=self.step_count,
+                                      codec=sub.codec.name if sub.codec is not None else "none")
         self._wake.set()
         # While transfers are in flight the engine wakes every few ms and sees _wake at
         # its next cycle; waking it for each gradient of a backward pass only costs a
@@ -1377,12 +1380,12 @@ class Engine:
         Small uncompressed gradients trickle in over the backward pass (biases, norms);
         started per round, they made tens of fused allreduces of a few KiB per step, each
         a chain of latency-bound messages and Python task steps on every rank. They wait
-        instead until :data:`_FUSION_HOLD_BYTES` are ready on every rank, or until some
+        instead until :data:`FUSION_HOLD_BYTES` are ready on every rank, or until some
         rank's message says ``flush`` (it waits for or polls a result, joins, or shuts
         down). Every rank decides from the same gathered messages, so all agree.
         """
         if not self._fuse_pending or not (
-                flush or self._fuse_pending_bytes >= _FUSION_HOLD_BYTES):
+                flush or self._fuse_pending_bytes >= FUSION_HOLD_BYTES):
             return
         fused, self._fuse_pending = self._fuse_pending, collections.OrderedDict()
         self._fuse_pending_bytes = 0

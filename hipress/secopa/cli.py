@@ -224,11 +224,10 @@ def _plan(args: argparse.Namespace) -> int:
     n = args.world_size or prof.world_size
     arrivals, measured = None, None
     if args.timeline:
-        from hipress.secopa.pipeline import arrivals_from_timeline
+        from hipress.secopa.pipeline import arrivals_from_timeline, median_step
 
         steps, meas = arrivals_from_timeline(args.timeline)
-        keep = list(range(min(max(args.skip_steps, 0), len(steps) - 1), len(steps)))
-        mid = sorted(keep, key=lambda i: meas[i]["exposed_s"])[(len(keep) - 1) // 2]
+        mid = median_step(meas, args.skip_steps)
         arrivals, measured = steps[mid], (mid, meas[mid])
         known = {a[0] for a in arrivals} & {str(g[0]) for g in grads}
         if len(known) < len(grads):

@@ -17,8 +17,8 @@ the **exposed** sync time. This module simulates that, event by event:
   starts (``Profile.round_s``: the interval between the engine's rounds, refitted from a
   job's timeline; 0 in a measured profile);
 - uncompressed gradients are held, as the engine holds them, until
-  :data:`FUSION_HOLD_BYTES` of them are waiting or the backward pass ends (the rank then
-  waits and flushes), and each release is one network job: their marginal
+  :data:`hipress.engine.engine.FUSION_HOLD_BYTES` of them are waiting or the backward
+  pass ends (the rank then waits and flushes), and each release is one network job: their marginal
   fused-allreduce times plus one fused buffer's fixed cost;
 - one compute server (the engine's compute pool, ``sync.compute_threads`` = 1) and one
   network server per rank, each serving jobs first come, first served in order of the
@@ -32,27 +32,20 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import json
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hipress.codecs import Codec
+from hipress.engine.engine import FUSION_HOLD_BYTES
+from hipress.engine.planning import Decision
 from hipress.secopa.cost import CostModel
 from hipress.secopa.errors import SeCoPaError
+from hipress.secopa.profile import trace_events
 
 #: ("name", numel, ready seconds from the first arrival)
 Arrival = Tuple[str, int, float]
-#: uncompressed bytes the engine holds before it fuses them (hipress.engine.engine)
-FUSION_HOLD_BYTES = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What happens to one gradient: uncompressed (fused), or a path with K partitions."""
-
-    compress: bool
-    path: str = "fused"
-    partitions: int = 1
+#: what happens to a gradient not in a simulation's ``choices``: sent uncompressed
+UNCOMPRESSED = Decision(False, 1, "fused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +69,16 @@ class Simulation:
     finish_s: Dict[str, float]
 
 
-def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, Choice],
+def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, Decision],
              codec: Optional[Codec], feedback: bool = False) -> Simulation:
     """Simulate one iteration's synchronization (see the module docstring).
 
     Args:
         model: the cost model (profile and world size).
         arrivals: ``(name, numel, ready_s)`` of every gradient, any order.
-        choices: per name, what the plan does with it (missing: uncompressed).
+        choices: per name, what the plan does with it: the engine's
+            :class:`~hipress.engine.planning.Decision` (``compress``, ``partitions``, the
+            path as ``strategy``); missing names go uncompressed.
         codec: the codec of the compressed choices.
         feedback: residual error feedback on (the encode step's cost includes it).
 
@@ -105,22 +100,25 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, C
         backward = max(backward, ready)
     held: List[str] = []
     held_bytes = held_s = 0.0
+    #: job label of each fused buffer -> the gradients it carries
+    fused: Dict[str, List[str]] = {}
 
     def release(at: float) -> None:
         nonlocal seq, held, held_bytes, held_s
         if held and model.N > 1:
-            label = "<fused>" + ",".join(held)
+            label = f"<fused {len(fused)}>"
+            fused[label] = held
             heap.append((at, seq, "net", held_s + model.fused_fixed(), (), label))
             seq += 1
         held, held_bytes, held_s = [], 0.0, 0.0
 
     for name, numel, ready in sorted(arrivals, key=lambda a: a[2]):
-        ch = choices.get(name, Choice(False))
+        ch = choices.get(name, UNCOMPRESSED)
         start = ready + lag
         if ch.compress and int(numel) >= 1:
             if codec is None:
                 raise SeCoPaError(f"gradient {name!r} is compressed but no codec was given")
-            cost = model.compressed(codec, int(numel), ch.path, ch.partitions, feedback)
+            cost = model.compressed(codec, int(numel), ch.strategy, ch.partitions, feedback)
             k = max(1, cost.partitions)
             half = cost.compute_s / (2 * k)
             net = cost.network_s / k
@@ -148,8 +146,8 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, C
             nxt_res, nxt_dur = rest[0]
             heapq.heappush(heap, (end, seq, nxt_res, nxt_dur, rest[1:], name))
             seq += 1
-        elif name.startswith("<fused>"):
-            for g in name[len("<fused>"):].split(","):
+        elif name in fused:
+            for g in fused[name]:
                 finish[g] = end
         else:
             finish[name] = max(finish.get(name, 0.0), end)
@@ -176,20 +174,12 @@ def arrivals_from_timeline(trace: Any, rank: Optional[int] = None) -> Tuple[
         completion, "exposed_s": their difference}`` (seconds from the first arrival).
 
     Raises:
-        SeCoPaError: the timeline cannot be read or has no submit events (of ``rank``).
+        ProfileError: the timeline cannot be read (:func:`~hipress.secopa.profile.trace_events`).
+        SeCoPaError: it has no submit events (of ``rank``).
     """
-    if isinstance(trace, (str, bytes)) or hasattr(trace, "__fspath__"):
-        try:
-            with open(trace, encoding="utf-8") as f:
-                data = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SeCoPaError(f"cannot read timeline {trace}: {exc}") from None
-    else:
-        data = trace
-    events = data.get("traceEvents", []) if isinstance(data, dict) else data
     steps: Dict[int, Dict[str, Any]] = {}
-    for e in events:
-        if not isinstance(e, dict) or e.get("name") not in ("submit", "done") or (
+    for e in trace_events(trace):
+        if e.get("name") not in ("submit", "done") or (
                 rank is not None and e.get("pid") != rank):
             continue
         a = e.get("args") or {}
@@ -214,3 +204,16 @@ def arrivals_from_timeline(trace: Any, rank: Optional[int] = None) -> Tuple[
         end = max((done[n][0] for n in names if n in done), default=t0) - t0
         out_measured.append({"backward_s": back, "end_s": end, "exposed_s": max(0.0, end - back)})
     return out_arrivals, out_measured
+
+
+def median_step(measured: Sequence[Dict[str, float]], skip: int) -> int:
+    """Return the index of the step with the median exposed time, after ``skip`` steps.
+
+    The lower median for an even count; at least the last step is kept whatever ``skip``.
+
+    Args:
+        measured: the second list :func:`arrivals_from_timeline` returns.
+        skip: warm-up steps to leave out.
+    """
+    keep = list(range(min(max(skip, 0), len(measured) - 1), len(measured)))
+    return sorted(keep, key=lambda i: measured[i]["exposed_s"])[(len(keep) - 1) // 2]

@@ -47,9 +47,10 @@ from pydantic import (
 )
 
 from hipress.codecs import Codec
+from hipress.engine.planning import Decision
 from hipress.secopa.cost import DEFAULT_FUSION_BYTES, Cost, CostModel, engine_paths
 from hipress.secopa.errors import PlanError, SeCoPaError, format_validation_error
-from hipress.secopa.pipeline import Choice, simulate
+from hipress.secopa.pipeline import UNCOMPRESSED, simulate
 from hipress.secopa.profile import Profile
 
 PLAN_VERSION = 1
@@ -480,7 +481,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         policies = {"plan": chosen, "compress_everything": forced, "threshold": threshold,
                     "compress_nothing": [(False, model.uncompressed(n)) for n in numels]}
         for key, choices in policies.items():
-            ch = {nm: Choice(True, c.path, c.partitions) if comp else Choice(False)
+            ch = {nm: Decision(True, c.partitions, c.path) if comp else UNCOMPRESSED
                   for nm, (comp, c) in zip(names, choices)}
             exposed[key] = simulate(model, arr, ch, codec, fb).exposed_s * 1e3
     entries = [_entry(name, n, ch) for name, n, ch in zip(names, numels, chosen)]

@@ -1000,8 +1000,15 @@ def run_profile(
 _SPAN_OPS = {"encode": "encode", "decode": "decode", "decode+merge": "merge"}
 
 
-def _trace_events(trace: Any) -> List[Dict[str, Any]]:
-    """Return the complete events of a Chrome trace (a path, a JSON text's data, a list)."""
+def trace_events(trace: Any) -> List[Dict[str, Any]]:
+    """Return the complete events of a HiPress timeline (Chrome trace).
+
+    Args:
+        trace: a path, or the parsed JSON (a list of events or ``{"traceEvents": [...]}``).
+
+    Raises:
+        ProfileError: the file cannot be read or is not a timeline.
+    """
     if isinstance(trace, (str, os.PathLike)):
         try:
             with open(trace, encoding="utf-8") as f:
@@ -1051,7 +1058,10 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     """
     ratios: Dict[Tuple[str, str], List[float]] = {}
     seen: Dict[str, int] = {}
-    events = _trace_events(trace)
+    by_name: Dict[str, CodecProfile] = {}
+    for cp in profile.codecs.values():  # the first entry of each name, as Profile.codec
+        by_name.setdefault(cp.name, cp)
+    events = trace_events(trace)
     rounds = sorted(float(e.get("ts", 0.0)) for e in events
                     if e.get("name") == "negotiate" and e.get("pid", 0) == 0)
     for ev in events:
@@ -1063,10 +1073,10 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
         if op == "decode" and args.get("reused"):
             continue  # only stored: its own payload's decode was reused
         seen[str(name)] = seen.get(str(name), 0) + 1
-        fits = [c for c in profile.codecs.values() if c.name == name]
-        if not fits:
+        cp = by_name.get(str(name))
+        if cp is None:
             continue
-        cp, x = fits[0], 4.0 * float(numel)
+        x = 4.0 * float(numel)
         if op == "encode":
             pred = cp.encode(x) + (cp.decode(x) + profile.ef(x) if args.get("feedback") else 0.0)
         elif op == "decode":

@@ -398,6 +398,8 @@ def timeline_and_stats():
     path = os.environ["HIPRESS_TIMELINE"]
     g = np.random.default_rng(hp.rank()).standard_normal(5000).astype(np.float32)
     hp.allreduce(g, "tl.onebit", codec="onebit", strategy="ps")
+    for h in hp.grouped_allreduce_async([g[:10], g[10:20]], ["tl.g0", "tl.g1"]):
+        hp.synchronize(h)
     st = hp.stats()["tl.onebit"]
     assert st["codec"] == "onebit" and st["strategy"] == "ps"
     assert st["compression_ratio"] > 20, st
