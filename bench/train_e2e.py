@@ -89,6 +89,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="HiPress transports: mpi, torch (gloo, rows labelled @torch) or both")
     p.add_argument("--ompi-ring", action="store_true",
                    help="force Open MPI's ring allreduce in the mpi-allreduce job")
+    p.add_argument("--variants", default="",
+                   help="extra HiPress configurations, each run for every codec and strategy "
+                   "as a row labelled <row>[NAME]: 'NAME:KEY=VALUE,KEY=VALUE;NAME2:...' "
+                   "(dotted config keys, e.g. 'cyc5:sync.cycle_time_ms=5')")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch jobs")
     p.add_argument("--tf", action="store_true", help="also run the TensorFlow jobs")
     p.add_argument("--tf-codecs", default="none,onebit,terngrad",
@@ -109,6 +113,26 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- jobs
+def parse_variants(text: str) -> List[Any]:
+    """Parse ``--variants``: ``'NAME:KEY=VALUE,KEY=VALUE;NAME2:KEY=VALUE'``.
+
+    Returns:
+        [(row suffix ``[NAME]``, [``KEY=VALUE``, ...]), ...] in the given order.
+
+    Raises:
+        SystemExit: an entry has no name, no setting, or a setting without ``=``.
+    """
+    out = []
+    for entry in [e.strip() for e in (text or "").split(";") if e.strip()]:
+        name, sep, body = entry.partition(":")
+        sets = csv(body)
+        if not sep or not name.strip() or not sets or any("=" not in x for x in sets):
+            raise SystemExit(f"--variants: {entry!r} is not NAME:KEY=VALUE[,KEY=VALUE...] "
+                             "(e.g. 'cyc5:sync.cycle_time_ms=5')")
+        out.append((f"[{name.strip()}]", sets))
+    return out
+
+
 def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Return the jobs of one link rate: one dict per system, model and framework.
 
@@ -127,8 +151,11 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     jobs: List[Dict[str, Any]] = []
 
     def add(framework: str, model: str, label: str, system: str, codec: str = "",
-            strategy: str = "", hook: str = "", transport: str = "mpi") -> None:
+            strategy: str = "", hook: str = "", transport: str = "mpi",
+            sets: Sequence[str] = ()) -> None:
         w = ["--system", system, "--model", model, *common]
+        for item in sets:
+            w += ["--set", item]
         if hook:
             w += ["--hook", hook]
         if transport != "mpi":
@@ -139,6 +166,7 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
                      "codec": codec or hook or "none", "strategy": strategy, "worker": w})
 
     strategies = csv(args.strategies) or ["ps"]
+    variants = [("", [])] + parse_variants(args.variants)
     if not args.no_torch:
         for model in csv(args.models):
             add("torch", model, "ddp-noop", "ddp", hook="noop")
@@ -154,8 +182,9 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
                         transport=tx)
                 for codec in csv(args.codecs):
                     for strategy in strategies:
-                        add("torch", model, f"hipress-{strategy}-{codec}{at}", "hipress", codec,
-                            strategy, transport=tx)
+                        for vname, sets in variants:
+                            add("torch", model, f"hipress-{strategy}-{codec}{at}{vname}",
+                                "hipress", codec, strategy, transport=tx, sets=sets)
     if args.tf:
         add("tf", "resnet50", "tf-floor", "tf-floor")
         for codec in csv(args.tf_codecs):

@@ -48,6 +48,23 @@ ROOT = Path(__file__).resolve().parent.parent
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def config_overrides(items: Sequence[str]) -> Dict[str, Any]:
+    """Turn ``--set KEY=VALUE`` items into ``hipress.init`` keywords (values read as YAML).
+
+    Raises:
+        SystemExit: an item has no ``=``.
+    """
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--set {item!r}: expect KEY=VALUE, e.g. sync.cycle_time_ms=5")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse the worker's command line (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -71,6 +88,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--master", default="127.0.0.1:29600", help="DDP rendezvous host:port")
     p.add_argument("--transport", default="mpi",
                    help="HiPress transport: mpi, or torch (gloo groups on --master's store)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra HiPress config key for hipress.init (dotted, e.g. "
+                   "sync.cycle_time_ms=5; the value is read as YAML); repeatable")
     p.add_argument("--json", required=True, help="output prefix: <json>.rank<R>.json")
     return p.parse_args(argv)
 
@@ -258,7 +278,8 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
         # trailing "!" (onebit!) it is passed as compression=, which compresses every
         # tensor, batch-norm vectors included
         codec = args.codec.rstrip("!")
-        base = {"sync.strategy": args.strategy, "transport": args.transport}
+        base = {"sync.strategy": args.strategy, "transport": args.transport,
+                **config_overrides(args.set)}
         if args.transport == "torch":  # mpirun only starts the processes
             host, port = args.master.split(":")
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=host,
@@ -330,7 +351,8 @@ def run_tf(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]:
     if args.system == "tf-hipress":
         import hipress.tensorflow as hp
 
-        hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": args.codec})
+        hp.init(**{"sync.strategy": args.strategy, "compression.algorithm": args.codec,
+                   **config_overrides(args.set)})
         opt = hp.DistributedOptimizer(opt)
         hp.broadcast_variables(model.variables, root_rank=0)
     model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", jit_compile=False)

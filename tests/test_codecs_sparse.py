@@ -910,3 +910,98 @@ def test_gpu_dgc_memory_hand_example():
     assert cp.asnumpy(mem.get("w/u")).tolist() == [0, 0, 1, 1.25]
     state = mem.state_dict()
     assert all(type(v) is np.ndarray for v in state.values())
+
+
+# --------------------------------------------- sparse fast paths (decode_add, memories)
+def _sparse_codecs():
+    return [make("topk", ratio=0.1), make("dgc", ratio=0.1, sample_ratio=1.0),
+            make("graddrop", drop_ratio=0.9)]
+
+
+@pytest.mark.parametrize("codec", _sparse_codecs(), ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sparse_decode_add_equals_dense_add(codec, dtype):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(1000).astype(dtype)
+    p = wire(codec.encode(x, "g"))
+    acc = rng.standard_normal(1000).astype(dtype)
+    want = acc + codec.decode(p).astype(dtype)
+    codec.decode_add(p, acc)
+    assert bits(acc).tobytes() == bits(want).tobytes()
+    idx, values = codec.sparse_entries(p, numel=1000)
+    assert 0 < idx.size <= 200 and np.all(np.diff(idx) > 0)
+    assert np.array_equal(values, x[idx])
+
+
+def test_sparse_entries_checks_like_decode():
+    c = make("topk", ratio=0.5)
+    assert make("onebit").sparse_entries(make("onebit").encode(np.ones(8, np.float32))) is None
+    with pytest.raises(PayloadError, match=r"outside \[0, 10\)"):
+        c.sparse_entries(sparse_payload(c.codec_id, [1, 2, 3, 4, 10], [1] * 5, 10))
+    p = wire(c.encode(np.arange(10, dtype=np.float32)))
+    with pytest.raises(PayloadError, match="12"):
+        c.sparse_entries(p, numel=12)
+    with pytest.raises(PayloadError, match="codec id"):
+        make("dgc", ratio=0.5).sparse_entries(p)
+
+
+def _dense_memory_step(mem, codec, name, g):
+    """The error-feedback step with a dense decode (the reference of the sparse one)."""
+    c = mem.compensate(name, g)
+    p = codec.encode(c, name=name)
+    mem.update(name, c, codec.decode(p))
+    return p
+
+
+@pytest.mark.parametrize("memory", ["residual", "dgc"])
+@pytest.mark.parametrize("codec", _sparse_codecs(), ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sparse_memory_update_bit_identical_to_dense(memory, codec, dtype):
+    """Memory.encode's sparse update leaves the same state bits as compensate/decode/update."""
+    fast = get_memory(memory, **({"momentum": 0.9} if memory == "dgc" else {}))
+    ref = get_memory(memory, **({"momentum": 0.9} if memory == "dgc" else {}))
+    fast_codec, ref_codec = pickle.loads(pickle.dumps(codec)), pickle.loads(pickle.dumps(codec))
+    rng = np.random.default_rng(5)
+    for step in range(4):
+        g = rng.standard_normal((40, 25)).astype(dtype)
+        g[0, :3] = 0.0  # zeros that may be sent (momentum is kept there)
+        p, decoded = fast.encode(fast_codec, "w", g)
+        assert decoded is None  # never built
+        q = _dense_memory_step(ref, ref_codec, "w", g)
+        assert p.to_bytes() == q.to_bytes(), step
+        a, b = fast.state_dict(), ref.state_dict()
+        assert sorted(a) == sorted(b)
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+            assert bits(a[k]).tobytes() == bits(b[k]).tobytes(), (step, k)
+
+
+def test_dgc_memory_sparse_update_needs_compensate():
+    mem = DGCMemory()
+    with pytest.raises(CodecError, match="without a compensate"):
+        mem.update_sparse("w", np.zeros(4, np.float32), np.array([1]), np.ones(1, np.float32))
+
+
+def test_gather_sum_writes_sparse_payloads_in_place():
+    """The gather path's in-place sparse sum equals decode-all-then-sum, then average."""
+    from hipress.engine import tasks as T
+    from hipress.memory import NoMemory
+    from hipress.timeline import Timeline
+
+    codec = make("topk", ratio=0.2)
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal(500).astype(np.float32) for _ in range(3)]
+    bufs = [codec.encode(x[100:400], "g").to_buffer() for x in xs]
+    env = T.TaskEnv(rank=0, size=3, timeline=Timeline(False), stats={})
+    flat = xs[0].copy()
+    job = T.Job(name="g", flat=flat, out=flat, shape=(500,), average=True, codec=codec,
+                memory=NoMemory(), contributes=True)
+    T._sparse_sum_write_step(env, job, codec, [(bufs[0], None)] + bufs[1:], 100, 400, "p0")
+    acc = T._decode_sum_step(env, job, codec, bufs, "p0", 300)  # the dense reference
+    want = xs[0].copy()
+    T._write(env, T.Job(name="g", flat=want, out=want, shape=(500,), average=True,
+                        codec=codec, memory=NoMemory(), contributes=True), 100, 400, acc)
+    assert bits(flat).tobytes() == bits(want).tobytes()
+    assert np.array_equal(flat[:100], xs[0][:100]) and np.count_nonzero(flat[100:400]) > 60
+    with pytest.raises(PayloadError):  # a payload of another size is refused
+        T._sparse_sum_write_step(env, job, codec, bufs, 100, 401, "p0")

@@ -230,6 +230,10 @@ class Codec(abc.ABC):
         lossless: decode(encode(x)) == x exactly.
         error_feedback: the codec is biased and should run with residual error feedback
             (the engine's default memory for it is ``"residual"``).
+        sparse_payload: payloads are (ascending indices, values) pairs that decode to
+            zeros except ``values`` at ``indices`` (top-k, DGC, GradDrop): decoding adds,
+            error feedback and the gather path's sum touch only the sent elements
+            (:meth:`sparse_entries`).
         mergeable: decode -> sum -> encode of partial sums keeps most of the information,
             so the codec can run under CaSync-PS and CaSync-Ring. False for sparsifiers
             whose merged sum is denser than one payload (top-k, DGC, GradDrop: the engine
@@ -245,6 +249,7 @@ class Codec(abc.ABC):
     lossless: ClassVar[bool] = False
     error_feedback: ClassVar[bool] = False
     mergeable: ClassVar[bool] = True
+    sparse_payload: ClassVar[bool] = False
     #: memory the engine uses under ``compression.memory: auto`` when error_feedback is set
     default_memory: ClassVar[str] = "residual"
     #: CompLL spec (``hipress/compll/specs/<name>.hpc``) whose generated kernels compute
@@ -311,6 +316,19 @@ class Codec(abc.ABC):
                 elements other than ``numel`` (checked before anything is allocated), or
                 its sections do not match the layout this codec declares for its shape.
         """
+        self._check_payload(payload, numel)
+        if payload.numel == 0:
+            return np.zeros(payload.shape, dtype=payload.dtype)
+        fast = self._device_codec(array_module(payload.sections[0]), payload.dtype)
+        out = (fast or self)._decode(payload.sections, payload.shape, payload.dtype)
+        return out.reshape(payload.shape)
+
+    def _check_payload(self, payload: Payload, numel: Optional[int]) -> None:
+        """Run :meth:`decode`'s checks (element count, codec id, dtype, sections).
+
+        Raises:
+            PayloadError: as :meth:`decode`.
+        """
         check_numel(payload.shape, numel)
         if payload.codec_id != self.codec_id:
             raise PayloadError(
@@ -325,11 +343,42 @@ class Codec(abc.ABC):
         if payload.numel == 0:
             if payload.sections:
                 raise PayloadError("payload of a 0-element gradient must have no sections")
-            return np.zeros(payload.shape, dtype=payload.dtype)
+            return
         self._check_sections(payload)
-        fast = self._device_codec(array_module(payload.sections[0]), payload.dtype)
-        out = (fast or self)._decode(payload.sections, payload.shape, payload.dtype)
-        return out.reshape(payload.shape)
+
+    def sparse_entries(self, payload: Payload,
+                       numel: Optional[int] = None) -> Optional[Tuple[Any, Any]]:
+        """Return a sparse payload's (indices, values), checked as :meth:`decode` checks it.
+
+        ``decode(payload)`` is zeros except ``values`` at ``indices``. Callers use this to
+        touch only the sent elements (decode-and-add, error feedback, the gather sum).
+
+        Args:
+            payload: a payload of this codec.
+            numel: as in :meth:`decode`.
+
+        Returns:
+            (1-D integer indices, 1-D values of the payload's dtype), both NumPy arrays,
+            or None: the codec is not :attr:`sparse_payload`, the payload has no elements,
+            or its sections are not NumPy arrays (device payloads decode as usual).
+
+        Raises:
+            PayloadError: as :meth:`decode`; also when the two sections differ in length
+                or an index lies outside [0, numel).
+        """
+        if not self.sparse_payload:
+            return None
+        self._check_payload(payload, numel)
+        if payload.numel == 0 or type(payload.sections[0]) is not np.ndarray:
+            return None
+        idx, values = payload.sections
+        n = payload.numel
+        if idx.size != values.size:
+            raise PayloadError(
+                f"sparse payload holds {idx.size} indices but {values.size} values: corrupted")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise PayloadError(f"sparse payload holds an index outside [0, {n}): corrupted")
+        return idx, values
 
     def _device_codec(self, xp: Any, dtype: Any) -> Optional[Codec]:
         """Return the generated CompLL codec that runs this codec on ``xp``'s device, or None.
@@ -391,9 +440,15 @@ class Codec(abc.ABC):
                 number of elements other than ``acc.size`` (a payload of one element is
                 never broadcast into ``acc``).
 
+        Sparse codecs (:attr:`sparse_payload`) add only the sent elements on the host.
         Codecs with a fused kernel override it to skip the decoded temporary; they must
         check the count the same way (calling this method for what they do not handle).
         """
+        sparse = self.sparse_entries(payload, numel=acc.size)
+        if sparse is not None and type(acc) is np.ndarray:
+            idx, values = sparse  # ascending and distinct: one add per sent element
+            acc[idx] += values.astype(acc.dtype, copy=False)
+            return
         acc += self.decode(payload, numel=acc.size).reshape(-1).astype(acc.dtype, copy=False)
 
     def decode_into(self, payload: Payload, out: Any, divisor: int = 1) -> None:

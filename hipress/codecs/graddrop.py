@@ -134,6 +134,7 @@ class ThresholdSparsifier(StepCounterMixin, Codec):
     error_feedback = True
     #: A sum of sparse payloads is denser than one payload: the engine gathers them.
     mergeable = False
+    sparse_payload = True
     #: the kept values travel in the gradient's dtype; the CompLL kernels send float32
     #: values, so only float32 gradients run them
     device_dtypes = ("float32",)

@@ -311,6 +311,7 @@ class TopKCodec(Codec):
     error_feedback = True
     #: A sum of sparse payloads is denser than one payload: the engine gathers them.
     mergeable = False
+    sparse_payload = True
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = ops.check_ratio(ratio, "topk ratio")

@@ -55,9 +55,29 @@ class Memory:
         """
         c = self.compensate(name, grad)
         payload = codec.encode(c, name=name)
+        sparse = codec.sparse_entries(payload)
+        if sparse is not None:  # decoded = zeros but at the sent indices: never built
+            self.update_sparse(name, c, *sparse)
+            return payload, None
         decoded = codec.decode(payload)
         self.update(name, c, decoded)
         return payload, decoded
+
+    def update_sparse(self, name: str, compensated: Any, indices: Any, values: Any) -> None:
+        """As :meth:`update` for a decoded array of zeros but ``values`` at ``indices``.
+
+        Memories override it to touch only the sent elements; this default builds the
+        dense decoded array and calls :meth:`update`.
+
+        Args:
+            name: the gradient's name.
+            compensated: what :meth:`compensate` returned (NumPy).
+            indices: ascending, distinct 1-D integer indices into the flattened gradient.
+            values: 1-D values sent at them (the payload's dtype).
+        """
+        dense = np.zeros(compensated.size, dtype=values.dtype)
+        dense[indices] = values
+        self.update(name, compensated, dense)
 
     def reset(self, name: str = "") -> None:
         """Forget the state of one gradient, or of all when ``name`` is empty."""
@@ -217,6 +237,22 @@ class ResidualMemory(Memory):
             if payload is not None:
                 return payload, None
         return super().encode(codec, name, grad)
+
+    def update_sparse(self, name: str, compensated: Any, indices: Any, values: Any) -> None:
+        """Store e = compensated - decoded for a sparse decoded array (see the base class).
+
+        Bit for bit :meth:`update`'s result: ``x - 0.0 == x`` wherever nothing was sent,
+        so ``e`` becomes ``compensated`` (kept as the new state when it is a fresh array
+        of the state's dtype and shape, else copied) less ``values`` at ``indices``.
+        """
+        e = self._buffer(name, compensated)
+        if (type(compensated) is np.ndarray and compensated.base is None
+                and compensated.dtype == e.dtype and compensated.shape == e.shape):
+            e = self._state[name] = compensated
+        else:
+            np.copyto(e, compensated, casting="unsafe")
+        ef = e.reshape(-1)
+        ef[indices] = ef[indices] - values.astype(e.dtype, copy=False)
 
     def update(self, name: str, compensated: Any, decoded: Any) -> None:
         """Store e = compensated - decoded, in place."""

@@ -140,19 +140,45 @@ class DGCMemory(Memory):
         Raises:
             CodecError: :meth:`compensate` was not called for ``name`` first.
         """
-        try:
-            u_new = self._pending.pop(name)
-        except KeyError:
-            raise CodecError(
-                f"dgc memory update({name!r}) without a compensate({name!r}) before it; "
-                "call compensate, encode, decode, update in that order"
-            ) from None
+        u_new = self._pop_pending(name)
         v = self._buffer(f"{name}/v", compensated)
         xp = array_module(v)
         d = xp.asarray(decoded).reshape(v.shape)  # a host decode of a device gradient too
         xp.subtract(compensated, d.astype(v.dtype, copy=False), out=v)
         u_new[d != 0] = 0
         self._state[f"{name}/u"] = u_new
+
+    def update_sparse(self, name: str, compensated: Any, indices: Any, values: Any) -> None:
+        """:meth:`update` for a sparse decoded array, touching only the sent elements.
+
+        Bit for bit :meth:`update`'s state: ``v`` becomes ``compensated`` (a fresh array
+        from :meth:`compensate`) less ``values`` at ``indices``; the momentum is zeroed
+        where a nonzero value was sent.
+
+        Raises:
+            CodecError: :meth:`compensate` was not called for ``name`` first.
+        """
+        u_new = self._pop_pending(name)
+        v = self._buffer(f"{name}/v", compensated)
+        if (type(compensated) is np.ndarray and compensated.base is None
+                and compensated.dtype == v.dtype and compensated.shape == v.shape):
+            v = compensated
+        else:
+            v = np.array(compensated, dtype=v.dtype).reshape(v.shape)
+        vf = v.reshape(-1)
+        vf[indices] = vf[indices] - values.astype(v.dtype, copy=False)
+        u_new.flat[indices[values != 0]] = 0  # any layout
+        self._state[f"{name}/v"] = v
+        self._state[f"{name}/u"] = u_new
+
+    def _pop_pending(self, name: str) -> Any:
+        try:
+            return self._pending.pop(name)
+        except KeyError:
+            raise CodecError(
+                f"dgc memory update({name!r}) without a compensate({name!r}) before it; "
+                "call compensate, encode, decode, update in that order"
+            ) from None
 
     def reset(self, name: str = "") -> None:
         """Forget the momentum and accumulation of one gradient, or of all."""
