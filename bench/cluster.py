@@ -681,7 +681,7 @@ def timeline_summary(path: str) -> str:
             hi = cuts[k + 1] if k + 1 < len(cuts) else end
             win = [e for e in mine if lo <= e["ts"] < hi]
             comp = [(e["ts"], min(e["ts"] + e["dur"], hi)) for e in win
-                    if str(e.get("tid", "")).startswith("hipress-compute")]
+                    if e["name"].startswith(("encode", "decode", "merge"))]
             comm = [(e["ts"], min(e["ts"] + e["dur"], hi)) for e in win
                     if e["name"] in ("send", "recv", "send+recv", "allgather", "allreduce")]
             enc = sum(e["dur"] for e in win if e["name"] == "encode") / 1e6

@@ -324,7 +324,11 @@ class SyncConfig(BaseModel):
             (a rank may legitimately spend minutes on evaluation or a checkpoint);
             finite, >= 0 (Horovod's ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``). The old key
             ``stall_timeout_s`` is read as this one.
-        compute_threads: threads for encode/decode; 0 runs them inline on the engine thread.
+        compute_threads: threads for encode/decode; 0 (default) runs them inline on the
+            engine thread. A pool thread per rank costs a wake-up and a GIL hand-off per
+            step: at 2 ranks on 2 cores the ResNet-50 core took 175 ms with one thread and
+            103-118 ms inline (onebit), and 4-rank training stepped 7-11% faster inline.
+            More threads can pay where cores outnumber ranks several times over.
         plan: ``none``, ``auto`` or the path of a SeCoPa plan file.
     """
 
@@ -337,7 +341,7 @@ class SyncConfig(BaseModel):
     cycle_time_ms: float = Field(1.0, gt=0, allow_inf_nan=False)
     stall_warning_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     stall_shutdown_s: float = Field(0.0, ge=0, allow_inf_nan=False)
-    compute_threads: int = Field(1, ge=0)
+    compute_threads: int = Field(0, ge=0)
     plan: str = Field("none", min_length=1)
 
     @model_validator(mode="before")

@@ -48,7 +48,7 @@ def test_defaults_match_schema():
     assert cfg.sync.fusion_threshold_bytes == 67108864
     assert cfg.sync.cycle_time_ms == 1.0
     assert cfg.sync.stall_warning_s == 60.0 and cfg.sync.stall_shutdown_s == 0.0
-    assert cfg.sync.compute_threads == 1 and cfg.sync.plan == "none"
+    assert cfg.sync.compute_threads == 0 and cfg.sync.plan == "none"
     assert cfg.timeline is None and cfg.logging.level == "INFO"
 
 

@@ -81,3 +81,32 @@ def test_a_stopped_compute_pool_is_a_quiet_sync_error():
 
     with pytest.raises(SyncError, match="the compute pool has stopped .*process is exiting"):
         sched.add(task(), "late")
+
+
+def test_inline_compute_error_is_raised_from_poll():
+    """compute_threads=0: a failing compute step surfaces from poll(), not from add().
+
+    The engine catches errors of poll() to tell every rank before it stops; an error
+    raised from add() (inside a negotiation round) would end this rank alone.
+    """
+    def boom():
+        raise RuntimeError("boom")
+
+    def task():
+        yield Compute(boom, ())
+
+    sched = Scheduler(_NeverTransport(), compute_threads=0, wait_timeout_s=5.0)
+    sched.add(task(), "t")  # does not raise
+    assert sched.busy
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.poll()
+
+
+def test_inline_compute_result_continues_at_once():
+    def task(out):
+        out.append((yield Compute(lambda: 41 + 1, ())))
+
+    got = []
+    sched = Scheduler(_NeverTransport(), compute_threads=0, wait_timeout_s=5.0)
+    sched.add(task(got), "t")
+    assert got == [42] and not sched.busy

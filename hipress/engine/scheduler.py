@@ -129,7 +129,8 @@ class Scheduler:
     Args:
         tx: the transport (:class:`hipress.comm.MpiTransport` or
             :class:`hipress.torch_transport.TorchTransport`).
-        compute_threads: threads for :class:`Compute` steps; 0 runs them inline.
+        compute_threads: threads for :class:`Compute` steps; 0 runs them inline (an error
+            of an inline step is raised from the next :meth:`poll`, as a pool thread's is).
         wait_timeout_s: a communication primitive (send, receive, probe) that does not
             finish in this time fails its task with a :class:`SyncError` naming the peer
             rank (a dead or stuck rank). Local compute steps are not timed: a slow one (a
@@ -293,7 +294,14 @@ class Scheduler:
         if isinstance(r, Compute):
             op = _Op("compute", task)
             if self.pool is None:
-                op.result = r.fn(*r.args)
+                try:
+                    op.result = r.fn(*r.args)
+                except Exception as exc:  # noqa: BLE001 - raised from poll(), as a pool's
+                    # error is: the engine then tells every rank before it stops
+                    op.future = concurrent.futures.Future()
+                    op.future.set_exception(exc)
+                    self._computed.append(op)
+                    return op
                 op.done = True
                 task.pending -= 1
             else:

@@ -20,7 +20,8 @@ the **exposed** sync time. This module simulates that, event by event:
   :data:`hipress.engine.engine.FUSION_HOLD_BYTES` of them are waiting or the backward
   pass ends (the rank then waits and flushes), and each release is one network job: their marginal
   fused-allreduce times plus one fused buffer's fixed cost;
-- one compute server (the engine's compute pool, ``sync.compute_threads`` = 1) and one
+- one compute server (the engine thread, ``sync.compute_threads`` = 0, or its one pool
+  thread) and one
   network server per rank, each serving jobs first come, first served in order of the
   time they become ready.
 
