@@ -44,6 +44,7 @@ from hipress.backend import (
     store_scaled,
     to_host,
 )
+from hipress.codecs import ops
 from hipress.errors import CodecError, PayloadError
 
 MAGIC = b"HP"
@@ -372,12 +373,7 @@ class Codec(abc.ABC):
         if payload.numel == 0 or type(payload.sections[0]) is not np.ndarray:
             return None
         idx, values = payload.sections
-        n = payload.numel
-        if idx.size != values.size:
-            raise PayloadError(
-                f"sparse payload holds {idx.size} indices but {values.size} values: corrupted")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
-            raise PayloadError(f"sparse payload holds an index outside [0, {n}): corrupted")
+        ops.check_sparse(idx, values, payload.numel)
         return idx, values
 
     def _device_codec(self, xp: Any, dtype: Any) -> Optional[Codec]:

@@ -187,17 +187,31 @@ def sparsify(flat: Any, indices: Any) -> Tuple[Any, Any]:
     return indices, flat[indices]
 
 
+def check_sparse(indices: Any, values: Any, n: int) -> None:
+    """Check a sparse (indices, values) payload of ``n`` elements.
+
+    Raises:
+        PayloadError: the two differ in length, or an index is outside [0, n) (a
+            corrupted payload).
+    """
+    from hipress.errors import PayloadError
+
+    if indices.size != values.size:
+        raise PayloadError(
+            f"sparse payload holds {indices.size} indices but {values.size} values: corrupted"
+        )
+    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= n):
+        raise PayloadError(f"sparse payload holds an index outside [0, {n}): corrupted")
+
+
 def desparsify(indices: Any, values: Any, n: int, dtype: Any) -> Any:
     """Scatter ``values`` at ``indices`` into a zero array of ``n`` elements of ``dtype``.
 
     Raises:
-        PayloadError: an index is outside [0, n) (a corrupted payload).
+        PayloadError: as :func:`check_sparse`.
     """
-    from hipress.errors import PayloadError
-
     xp = array_module(values)
-    if indices.size and (int(indices.min()) < 0 or int(indices.max()) >= n):
-        raise PayloadError(f"sparse payload holds an index outside [0, {n}): corrupted")
+    check_sparse(indices, values, n)
     out = xp.zeros(n, dtype=dtype)
     out[indices] = values.astype(dtype, copy=False)
     return out

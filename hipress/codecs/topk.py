@@ -34,7 +34,6 @@ import numpy as np
 from hipress.backend import array_module
 from hipress.codecs import ops
 from hipress.codecs.base import Codec, Layout, register_codec
-from hipress.errors import PayloadError
 
 logger = logging.getLogger(__name__)
 
@@ -274,10 +273,6 @@ def decode_sparse(sections: Sequence[Any], n: int, dtype: np.dtype) -> Any:
         PayloadError: the sections differ in length, or an index is outside [0, n).
     """
     idx, values = sections
-    if idx.size != values.size:
-        raise PayloadError(
-            f"sparse payload holds {idx.size} indices but {values.size} values: corrupted"
-        )
     return ops.desparsify(idx, values, n, dtype)
 
 

@@ -369,7 +369,7 @@ def gather_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, parts: int,
         Recv(r, tag, None) for r in range(N) if r != me])
     bufs = list(got[N - 1:])
     bufs.insert(me, own)
-    out = job.out[lo:hi]
+    out = job.out
     if codec.sparse_payload and type(out) is np.ndarray and out.dtype == compute_dtype(out.dtype):
         yield Compute(_sparse_sum_write_step, (env, job, codec, bufs, lo, hi, label))
     else:

@@ -154,6 +154,19 @@ class Memory:
         return buf
 
 
+def adopt(compensated: Any, state: Any) -> Any:
+    """Return ``compensated`` to become the new state array in place of ``state``.
+
+    A fresh NumPy array of the state's dtype and shape (what ``compensate`` returns) is
+    kept as it is, saving a copy; anything else is copied into a new array of the state's
+    dtype and shape.
+    """
+    if (type(compensated) is np.ndarray and compensated.base is None
+            and compensated.dtype == state.dtype and compensated.shape == state.shape):
+        return compensated
+    return np.array(compensated, dtype=state.dtype).reshape(state.shape)
+
+
 _REGISTRY: Dict[str, Type[Memory]] = {}
 
 
@@ -245,12 +258,7 @@ class ResidualMemory(Memory):
         so ``e`` becomes ``compensated`` (kept as the new state when it is a fresh array
         of the state's dtype and shape, else copied) less ``values`` at ``indices``.
         """
-        e = self._buffer(name, compensated)
-        if (type(compensated) is np.ndarray and compensated.base is None
-                and compensated.dtype == e.dtype and compensated.shape == e.shape):
-            e = self._state[name] = compensated
-        else:
-            np.copyto(e, compensated, casting="unsafe")
+        e = self._state[name] = adopt(compensated, self._buffer(name, compensated))
         ef = e.reshape(-1)
         ef[indices] = ef[indices] - values.astype(e.dtype, copy=False)
 

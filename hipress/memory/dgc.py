@@ -33,7 +33,7 @@ from hipress.backend import array_module, compute_dtype
 from hipress.codecs import ops
 from hipress.codecs.dgc import check_clip_norm, check_momentum
 from hipress.errors import CodecError
-from hipress.memory.base import Memory, register_memory
+from hipress.memory.base import Memory, adopt, register_memory
 
 _SUFFIXES = ("/u", "/v")
 
@@ -159,12 +159,7 @@ class DGCMemory(Memory):
             CodecError: :meth:`compensate` was not called for ``name`` first.
         """
         u_new = self._pop_pending(name)
-        v = self._buffer(f"{name}/v", compensated)
-        if (type(compensated) is np.ndarray and compensated.base is None
-                and compensated.dtype == v.dtype and compensated.shape == v.shape):
-            v = compensated
-        else:
-            v = np.array(compensated, dtype=v.dtype).reshape(v.shape)
+        v = adopt(compensated, self._buffer(f"{name}/v", compensated))
         vf = v.reshape(-1)
         vf[indices] = vf[indices] - values.astype(v.dtype, copy=False)
         u_new.flat[indices[values != 0]] = 0  # any layout
