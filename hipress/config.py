@@ -314,7 +314,13 @@ class SyncConfig(BaseModel):
             ``ceil(bytes / partition_bytes)`` partitions.
         fusion_threshold_bytes: maximum bytes of one fused buffer of small uncompressed
             gradients.
-        cycle_time_ms: negotiation cycle (milliseconds; finite, > 0).
+        cycle_time_ms: negotiation cycle (milliseconds; finite, > 0): while gradients
+            arrive, a negotiation round starts at most once per cycle; a rank that waits
+            for (or polls) a result starts one at once. Default 20: a round costs every
+            rank about 0.5 ms of CPU, and a backward pass on a loaded CPU yields a
+            gradient every 10-20 ms, so a 1 ms cycle ran one round per gradient (4-rank
+            ResNet-50 training: 138 rounds per step at 1 ms, 55 at 20 ms; engine CPU
+            360 -> 273 ms per step). Horovod's ``HOROVOD_CYCLE_TIME``.
         stall_warning_s: while a gradient is submitted by some ranks only, or a rank stops
             answering, rank 0 (or the waiting rank) logs a warning every this many seconds
             naming the gradients and the ranks missing them (finite, > 0; Horovod's
@@ -338,7 +344,7 @@ class SyncConfig(BaseModel):
     partitions: Optional[int] = Field(None, ge=1)
     partition_bytes: int = Field(4 * 1024 * 1024, ge=1)
     fusion_threshold_bytes: int = Field(64 * 1024 * 1024, ge=0)
-    cycle_time_ms: float = Field(1.0, gt=0, allow_inf_nan=False)
+    cycle_time_ms: float = Field(20.0, gt=0, allow_inf_nan=False)
     stall_warning_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     stall_shutdown_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     compute_threads: int = Field(0, ge=0)
@@ -728,7 +734,7 @@ def summarize_effective(cfg: HiPressConfig, size: int, local_size: int,
     Example:
         ``HiPress: 2 ranks (2 on this host) | gradients: dgc (DistributedOptimizer) |
         policy: onebit, min 64 KiB, warm-up 0, memory auto, rules none | sync: auto,
-        partitions 4 MiB, fusion 64 MiB, cycle 1 ms, stall 60 s, plan none | timeline off``
+        partitions 4 MiB, fusion 64 MiB, cycle 20 ms, stall 60 s, plan none | timeline off``
     """
     comp, sync = cfg.compression, cfg.sync
     algo = comp.algorithm + (f"{comp.params}" if comp.params else "")

@@ -46,7 +46,7 @@ def test_defaults_match_schema():
     assert cfg.sync.strategy == "auto" and cfg.sync.partitions is None
     assert cfg.sync.partition_bytes == 4194304
     assert cfg.sync.fusion_threshold_bytes == 67108864
-    assert cfg.sync.cycle_time_ms == 1.0
+    assert cfg.sync.cycle_time_ms == 20.0
     assert cfg.sync.stall_warning_s == 60.0 and cfg.sync.stall_shutdown_s == 0.0
     assert cfg.sync.compute_threads == 0 and cfg.sync.plan == "none"
     assert cfg.timeline is None and cfg.logging.level == "INFO"
@@ -237,7 +237,7 @@ def test_precedence_defaults_yaml_env_overrides(tmp_path):
     cfg = load_config(path, env={})
     assert (cfg.sync.strategy, cfg.sync.stall_shutdown_s) == ("ps", 30.0)  # the old key
     assert cfg.compression.algorithm == "fp16" and cfg.timeline == "/yaml.json"
-    assert cfg.sync.cycle_time_ms == 1.0
+    assert cfg.sync.cycle_time_ms == 20.0
     # Environment over YAML.
     env = {"HIPRESS_STRATEGY": "ring", "HIPRESS_STALL_TIMEOUT": "2.5",
            "HIPRESS_COMPRESSION": "bf16", "HIPRESS_TIMELINE": "/env.json",
@@ -346,7 +346,7 @@ def test_summarize_effective_is_one_line_with_code_overrides():
     assert line == (
         "HiPress: 2 ranks (2 on this host) | gradients: dgc (DistributedOptimizer) | "
         "policy: onebit, min 4 KiB, warm-up 0, memory auto, rules *.bias->none | sync: auto, "
-        "partitions 4 MiB, fusion 64 MiB, cycle 1 ms, stall warning 60 s, shutdown 20 s, "
+        "partitions 4 MiB, fusion 64 MiB, cycle 20 ms, stall warning 60 s, shutdown 20 s, "
         "plan none | timeline off")
     plain = summarize_effective(config_from_dict({}), 1, 1)
     assert plain.startswith("HiPress: 1 rank (1 on this host) | policy: none, min 64 KiB")

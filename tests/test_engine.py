@@ -70,6 +70,11 @@ def test_secopa_plan_auto_is_followed():
     run_cases(2, ["plan_auto_followed"])
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_cycle_paces_rounds_and_a_waiting_rank_starts_one_at_once(np_):
+    run_cases(np_, ["cycle_paces_rounds_and_waiting_flushes"])
+
+
 def test_gather_path_values_world2():
     run_cases(2, ["gather_topk"])
 

@@ -927,6 +927,7 @@ class Engine:
         cycle = self.cfg.sync.cycle_time_ms / 1000.0
         phase, req, round_start, last_round = 0, None, 0.0, 0.0
         idle_rounds = idle_polls = 0
+        moved = False  # the last round started a task or carried a new name
         while True:
             progressed = False
             if self._sched.busy and self._local_error is None:
@@ -939,9 +940,16 @@ class Engine:
                     self._wake.set()
                     self._poke.set()
             now = time.monotonic()
+            # A rank that waits for a result keeps rounds going while anything is still
+            # to be agreed (names some ranks have not sent yet, its own queue, held
+            # fusion): its one flush may have come a round before a peer's name. At once
+            # after a round that moved something, else once per cycle (a stall, where
+            # every rank waits, costs one round per cycle, not a busy loop).
+            urgent = bool(self._waiting and (self._table or self._queue or self._fuse_pending))
             if phase == 0:
                 wait = _round_interval(cycle, idle_rounds)
                 if (now - last_round >= wait or self._flush_once
+                        or (urgent and (moved or now - last_round >= cycle))
                         or (self._wake.is_set() and now - last_round >= cycle)):
                     self._wake.clear()
                     req = tx.iallgather_bytes(self._make_message())
@@ -968,7 +976,8 @@ class Engine:
                     return
                 # rounds back off while no rank has new names, even when transfers are
                 # in flight: polling MPI needs no round
-                busy = started or self._table or any(m["new"] for m in msgs)
+                moved = bool(started or new)
+                busy = moved or self._table
                 idle_rounds = 0 if busy else idle_rounds + 1
                 progressed = True
             waited = now - round_start if phase else 0.0
@@ -996,6 +1005,8 @@ class Engine:
                 idle_polls += 1
             else:
                 wait = _round_interval(cycle, idle_rounds)
+                if urgent:
+                    wait = min(wait, cycle)
             self._sleeping_long = wait > min(cycle, _POLL_MAX_S)
             # a submission that saw _sleeping_long False set _wake first: do not sleep past it
             if self._sleeping_long and self._wake.is_set():

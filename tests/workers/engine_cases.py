@@ -349,6 +349,41 @@ def plan_auto_followed():
 
 
 @case
+def cycle_paces_rounds_and_waiting_flushes():
+    """With a 5 s cycle: gradients submitted over ~40 ms start no round until a rank
+    waits; the wait starts one at once (well under the cycle) and every value is exact."""
+    hp.shutdown()
+    hp.init({"sync": {"cycle_time_ms": 5000}, "logging": {"level": "WARNING"}})
+    from hipress.api import _engine
+
+    r, n = hp.rank(), hp.size()
+    t0 = time.monotonic()
+    for k in range(3):  # blocking calls: each flushes its own round
+        out = hp.allreduce(np.full(4, float(r + k), np.float32), f"cyc.block{k}", op="sum")
+        assert np.array_equal(out, np.full(4, float(sum(range(n)) + n * k), np.float32)), out
+    assert time.monotonic() - t0 < 2.5, f"3 blocking allreduces took {time.monotonic() - t0:.2f} s"
+    hp.barrier()  # every rank starts the next part together
+    eng = _engine()
+    before = eng._round
+    hs = []
+    for k in range(20):  # a backward pass: gradients ready one after another
+        hs.append(hp.allreduce_async(np.full(8, float(r * 100 + k), np.float32),
+                                     f"cyc.grad{k}", op="sum"))
+        time.sleep(0.002)
+    during = eng._round - before
+    t1 = time.monotonic()
+    outs = [hp.synchronize(h) for h in hs]
+    waited = time.monotonic() - t1
+    for k, out in enumerate(outs):
+        want = float(100 * sum(range(n)) + n * k)
+        assert np.array_equal(out, np.full(8, want, np.float32)), (k, out)
+    assert during == 0, f"{during} rounds started while gradients arrived (cycle 5 s)"
+    assert waited < 2.5, f"synchronize waited {waited:.2f} s (the cycle is 5 s)"
+    assert eng._round - before <= 3, f"{eng._round - before} rounds for 20 gradients"
+    hp.shutdown()
+
+
+@case
 def duplicate_inflight_name():
     h = hp.allreduce_async(np.ones(3, np.float32), "dup")
     if hp.size() == 1:  # complete on return: nothing is in flight at world size 1
