@@ -147,7 +147,9 @@ def test_slow_rank_only_warns_by_default():
     assert sorted(re.findall(r"DONE rank \d", proc.stdout)) == ["DONE rank 0", "DONE rank 1"]
     stall = [line for line in proc.stderr.splitlines() if "HiPress stall: for" in line]
     assert stall and all(line.startswith("[0]") for line in stall), proc.stderr[-3000:]
-    assert "not submitted by rank(s) [0]" in stall[0] and "'grad.0'" in stall[0], stall[0]
+    # which of rank 1's names the first warning lists depends on the round they came in
+    assert "not submitted by rank(s) [0]" in stall[0] and re.search(r"'grad\.\d'", stall[0]), \
+        stall[0]
     assert "sync.stall_shutdown_s is 0" in stall[0]
 
 
