@@ -147,10 +147,12 @@ def test_slow_rank_only_warns_by_default():
     assert sorted(re.findall(r"DONE rank \d", proc.stdout)) == ["DONE rank 0", "DONE rank 1"]
     stall = [line for line in proc.stderr.splitlines() if "HiPress stall: for" in line]
     assert stall and all(line.startswith("[0]") for line in stall), proc.stderr[-3000:]
-    # which of rank 1's names the first warning lists depends on the round they came in
-    assert "not submitted by rank(s) [0]" in stall[0] and re.search(r"'grad\.\d'", stall[0]), \
-        stall[0]
-    assert "sync.stall_shutdown_s is 0" in stall[0]
+    # Every warning names rank 0 as the one missing. The slow step's warning names its
+    # first gradient; it need not be the first warning: on a cold cache rank 0's first
+    # step can lag too (CI once warned for grad.1-3 of another step first).
+    assert all("not submitted by rank(s) [0]" in line for line in stall), stall
+    assert any("'grad.0'" in line for line in stall), stall
+    assert all("sync.stall_shutdown_s is 0" in line for line in stall), stall
 
 
 @pytest.mark.parametrize("mode,code", [("raise_after", 1), ("exit3", 3)])
