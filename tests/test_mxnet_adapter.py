@@ -108,12 +108,14 @@ def test_state_encoding_round_trip_on_this_numpy():
 def test_train_digits_example_learns_with_config_compression():
     """The MXNet main job: digits, compression from configs/digits-mxnet.yaml, 2 ranks."""
     config = ROOT / "configs" / "digits-mxnet.yaml"
+    # 5 epochs: MXNet's CPU kernels differ between machines, and on an AMD EPYC host the
+    # same seed reached 86.4% after 3 epochs (88.2% after 4, 94.9% after 5)
     proc = run_mpi(2, ROOT / "examples" / "mxnet" / "train_digits.py",
-                   ["--epochs", "3", "--no-progress"], timeout=240,
+                   ["--epochs", "5", "--no-progress"], timeout=240,
                    env={"HIPRESS_CONFIG": str(config)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    epochs = re.findall(r"^epoch (\d)/3 loss ([\d.]+) test_acc ([\d.]+)%$", proc.stdout, re.M)
-    assert [e[0] for e in epochs] == ["1", "2", "3"], proc.stdout
+    epochs = re.findall(r"^epoch (\d)/5 loss ([\d.]+) test_acc ([\d.]+)%$", proc.stdout, re.M)
+    assert [e[0] for e in epochs] == ["1", "2", "3", "4", "5"], proc.stdout
     assert float(epochs[-1][1]) < float(epochs[0][1])
     assert float(epochs[-1][2]) >= 88.0, epochs
     final = rank_lines(proc.stdout, "final test_acc")
