@@ -623,6 +623,96 @@ def test_fused_error_feedback_equals_three_steps(name, dtype, n):
         assert np.array_equal(out, (codec.decode(ref_payload) / dtype(divisor)).astype(dtype))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 16, 17, 33, 1000, 65_537])
+def test_deferred_onebit_equals_three_steps_over_steps(dtype, n):
+    """finite=True keeps c and the sent bits; every payload and every residual read (get,
+    state_dict, the three-step path taking over) equals the three separate steps."""
+    rng = np.random.default_rng(n)
+    codec = get_codec("onebit")
+    e = (0.3 * rng.standard_normal(n)).astype(dtype)
+    mem = ResidualMemory()
+    mem.load_state_dict({"w": e})
+    for step in range(5):
+        x = rng.standard_normal(n).astype(dtype)
+        ref_payload, e = _three_step_reference(codec, x, e)
+        payload, decoded = mem.encode(codec, "w", x, finite=step != 3)
+        assert decoded is None
+        assert payload.to_bytes() == ref_payload.to_bytes(), step
+        if step == 1:  # a checkpoint between steps settles copies, not the state
+            assert np.array_equal(mem.state_dict()["w"], e)
+        if step == 2:
+            assert np.array_equal(mem.get("w"), e)
+    assert np.array_equal(mem.state_dict()["w"], e)
+    assert np.array_equal(mem.get("w"), e)
+
+
+def test_deferred_onebit_state_follows_resets_and_loads():
+    codec = get_codec("onebit")
+    x = np.linspace(-1, 2, 50, dtype=np.float32)
+    mem = ResidualMemory()
+    mem.encode(codec, "a#p0", x, finite=True)
+    mem.encode(codec, "b#p0", x, finite=True)
+    assert mem.reset_prefix("a#") == 1
+    mem.reset("b#p0")
+    # nothing deferred survives: a fresh residual of zeros encodes as the first step did
+    ref_payload, ref_e = _three_step_reference(codec, x, np.zeros(50, np.float32))
+    payload, _ = mem.encode(codec, "a#p0", x, finite=True)
+    assert payload.to_bytes() == ref_payload.to_bytes()
+    assert np.array_equal(mem.get("a#p0"), ref_e)
+    mem.encode(codec, "a#p0", x, finite=True)
+    e1 = np.full(50, 0.25, np.float32)
+    mem.load_state_dict({"a#p0": e1})
+    ref_payload, ref_e = _three_step_reference(codec, x, e1)
+    payload, _ = mem.encode(codec, "a#p0", x, finite=True)
+    assert payload.to_bytes() == ref_payload.to_bytes()
+    assert np.array_equal(mem.get("a#p0"), ref_e)
+
+
+def test_deferred_onebit_resets_residual_on_overflow():
+    """x + e beyond float32 cannot be undone in one pass: the error says the residual was
+    reset, and it is zero."""
+    mem = ResidualMemory()
+    mem.load_state_dict({"w": np.array([3e38, 1.0, -1.0], np.float32)})
+    with pytest.raises(NonFiniteGradientError, match="'w'.*reset to zero"):
+        mem.encode(get_codec("onebit"), "w", np.array([3e38, 1.0, 2.0], np.float32),
+                   finite=True)
+    assert np.array_equal(mem.get("w"), np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 8, 9, 17, 1000, 65_537])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 5, 7])
+def test_merge_encode_equals_decode_sum_then_encode(dtype, n, parts):
+    """The aggregator's fused pass: same bytes and residuals as decoding the payloads,
+    adding them in order and encoding the sum with error feedback, step after step."""
+    rng = np.random.default_rng(n + parts)
+    codec = get_codec("onebit")
+    fused, ref = ResidualMemory(), ResidualMemory()
+    for step in range(3):
+        payloads = [codec.encode(rng.standard_normal(n).astype(dtype), "w")
+                    for _ in range(parts)]
+        acc = codec.decode(payloads[0]).astype(dtype)
+        for p in payloads[1:]:
+            acc += codec.decode(p)
+        want, _ = ref.encode(codec, "w@agg", acc)
+        got = fused.merge_encode(codec, "w@agg", payloads)
+        assert got.to_bytes() == want.to_bytes(), step
+        assert np.array_equal(fused.state_dict()["w@agg"], ref.get("w@agg"))
+    assert np.array_equal(fused.get("w@agg"), ref.get("w@agg"))
+
+
+def test_merge_encode_declines_what_it_cannot_fuse():
+    codec = get_codec("onebit")
+    mem = ResidualMemory()
+    p32 = codec.encode(np.ones(16, np.float32), "w")
+    p64 = codec.encode(np.ones(16, np.float64), "w")
+    assert mem.merge_encode(codec, "w", [p32, p64]) is None  # mixed dtypes
+    assert mem.merge_encode(codec, "v", [p32, codec.encode(np.ones(8, np.float32))]) is None
+    assert mem.merge_encode(get_codec("terngrad"), "u", [p32]) is None  # no fused kernel
+    assert ResidualMemory(beta=0.5).merge_encode(codec, "w", [p32]) is None
+
+
 def test_fused_onebit_leaves_residual_on_non_finite():
     x = np.array([1.0, np.inf, -2.0], np.float32)
     e0 = np.array([0.5, 0.25, -0.5], np.float32)

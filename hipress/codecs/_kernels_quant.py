@@ -368,8 +368,135 @@ def _build_kernels() -> types.SimpleNamespace:
                 e[k + j] = c - (v1 if (b >> (7 - j)) & 1 else v0)
 
     @inline
+    def _deferred_lane(xi, c, i, settle, pb, j, v0, v1, acc, cnt):
+        """Settle c[i] into the residual e, store c[i] = xi + e; return its sign bit."""
+        e = c[i]
+        if settle:
+            e = e - (v1 if (pb >> (15 - j)) & 1 else v0)
+        v = c.dtype.type(xi) + e
+        c[i] = v
+        return _sign_lane(np.float64(v), j, acc, cnt)
+
+    @njit
+    def onebit_encode_ef_deferred(x, c, pbits, v0, v1, settle, bits):
+        """One pass of error-feedback onebit that leaves the residual update for later.
+
+        On entry ``c`` holds the previous step's compensated gradient and (``settle``)
+        ``pbits``/``v0``/``v1`` its sign bits and values, so the residual is
+        e = c - (v1 if bit else v0); without ``settle`` ``c`` holds e itself. Stores the
+        new compensated gradient c = x + e (in c's dtype) into ``c``, packs its sign bits
+        into ``bits`` and returns the lane sums and negatives count of
+        :func:`onebit_encode`. Settling the stored c with the new bits and values later
+        gives exactly what :func:`onebit_residual` writes: the same two roundings.
+        """
+        n = x.size
+        acc = np.zeros((2, 16), np.float64)
+        cnt = np.zeros(16, np.int64)
+        nblk = n // 16
+        for i in range(nblk):
+            k = 16 * i
+            pb = (np.int64(pbits[2 * i]) << 8) | np.int64(pbits[2 * i + 1]) if settle else 0
+            b = 0
+            for j in range(16):
+                b |= _deferred_lane(x[k + j], c, k + j, settle, pb, j, v0, v1, acc, cnt)
+            bits[2 * i] = b >> 8
+            bits[2 * i + 1] = b & 255
+        k = 16 * nblk
+        if n > k:
+            pb = 0
+            if settle:
+                pb = np.int64(pbits[2 * nblk]) << 8
+                if n - k > 8:
+                    pb |= np.int64(pbits[2 * nblk + 1])
+            b = 0
+            for j in range(n - k):
+                b |= _deferred_lane(x[k + j], c, k + j, settle, pb, j, v0, v1, acc, cnt)
+            bits[2 * nblk] = b >> 8
+            if n - k > 8:
+                bits[2 * nblk + 1] = b & 255
+        return acc, cnt.sum()
+
+    @inline
+    def _word(b, i, full):
+        """Bits of elements 16 i .. 16 i + 15 (byte 2 i high), the second byte if ``full``."""
+        w = np.int64(b[2 * i]) << 8
+        return w | np.int64(b[2 * i + 1]) if full else w
+
+    @inline
+    def _merged(x, has_x, i, sh, p, w0, w1, w2, w3, a0, c0, a1, c1, a2, c2, a3, c3):
+        """x[i] (if ``has_x``) plus the ``p`` payloads' decoded element, added in order.
+
+        Payload r decodes to ``c_r`` where its bit is set, else ``a_r``. Unrolled by hand
+        with the values in scalars: a loop over the payloads inside the element loop ran
+        3-10x slower.
+        """
+        d = c0 if (w0 >> sh) & 1 else a0
+        s = x[i] + d if has_x else d
+        if p > 1:
+            s = s + (c1 if (w1 >> sh) & 1 else a1)
+        if p > 2:
+            s = s + (c2 if (w2 >> sh) & 1 else a2)
+        if p > 3:
+            s = s + (c3 if (w3 >> sh) & 1 else a3)
+        return s
+
+    @njit
+    def onebit_merge_encode_ef_deferred(x, has_x, b0, b1, b2, b3, vals, p, c, sbits, v0, v1,
+                                        settle, bits):
+        """:func:`onebit_encode_ef_deferred` of x plus up to 4 decoded onebit payloads.
+
+        ``b0``..``b3`` hold the sign bits of the ``p`` (1 to 4) payloads (unused ones may
+        be any of them) and ``vals`` (4, 2) their [non-negative, negative] values in c's
+        dtype. Element i of the sum is ``x[i] + d0 + d1 + ...`` added left to right
+        (without ``x`` when not ``has_x``): what decoding the first payload and adding
+        the others' decodes one by one computes, continued from a partial sum ``x``.
+        ``sbits``/``v0``/``v1``/``settle`` describe c's pending update, as there.
+        """
+        n = c.size
+        acc = np.zeros((2, 16), np.float64)
+        cnt = np.zeros(16, np.int64)
+        a0, c0, a1, c1 = vals[0, 0], vals[0, 1], vals[1, 0], vals[1, 1]
+        a2, c2, a3, c3 = vals[2, 0], vals[2, 1], vals[3, 0], vals[3, 1]
+        nblk = n // 16
+        for i in range(nblk):
+            k = 16 * i
+            w0 = _word(b0, i, True)
+            w1 = _word(b1, i, True) if p > 1 else 0
+            w2 = _word(b2, i, True) if p > 2 else 0
+            w3 = _word(b3, i, True) if p > 3 else 0
+            pb = _word(sbits, i, True) if settle else 0
+            b = 0
+            for j in range(16):
+                b |= _deferred_lane(
+                    _merged(x, has_x, k + j, 15 - j, p, w0, w1, w2, w3, a0, c0, a1, c1, a2, c2,
+                            a3, c3), c, k + j, settle, pb, j, v0, v1, acc, cnt)
+            bits[2 * i] = b >> 8
+            bits[2 * i + 1] = b & 255
+        k = 16 * nblk
+        if n > k:
+            full = n - k > 8
+            w0 = _word(b0, nblk, full)
+            w1 = _word(b1, nblk, full) if p > 1 else 0
+            w2 = _word(b2, nblk, full) if p > 2 else 0
+            w3 = _word(b3, nblk, full) if p > 3 else 0
+            pb = _word(sbits, nblk, full) if settle else 0
+            b = 0
+            for j in range(n - k):
+                b |= _deferred_lane(
+                    _merged(x, has_x, k + j, 15 - j, p, w0, w1, w2, w3, a0, c0, a1, c1, a2, c2,
+                            a3, c3), c, k + j, settle, pb, j, v0, v1, acc, cnt)
+            bits[2 * nblk] = b >> 8
+            if full:
+                bits[2 * nblk + 1] = b & 255
+        return acc, cnt.sum()
+
+    @inline
     def _assign(out, i, v):
         out[i] = v
+
+    @inline
+    def _subtract(out, i, v):
+        out[i] -= v
 
     @inline
     def _add(out, i, v):
@@ -396,6 +523,8 @@ def _build_kernels() -> types.SimpleNamespace:
     decode_1bit = _bit_decoder(_assign)
     #: acc[i] += v1 if bit i is set else v0 (bits MSB first)
     decode_1bit_add = _bit_decoder(_add)
+    #: c[i] -= v1 if bit i is set else v0: settles a deferred onebit residual
+    onebit_settle = _bit_decoder(_subtract)
 
     # --------------------------------------------------------------- 2-bit codes
     @njit
@@ -552,6 +681,9 @@ def _build_kernels() -> types.SimpleNamespace:
         onebit_encode=onebit_encode,
         onebit_encode_ef=onebit_encode_ef,
         onebit_residual=onebit_residual,
+        onebit_encode_ef_deferred=onebit_encode_ef_deferred,
+        onebit_merge_encode_ef_deferred=onebit_merge_encode_ef_deferred,
+        onebit_settle=onebit_settle,
         decode_1bit_add=decode_1bit_add,
         decode_1bit=decode_1bit,
         decode_2bit=decode_2bit,

@@ -424,6 +424,71 @@ class Codec(abc.ABC):
         """
         return None
 
+    def encode_residual_deferred(self, x: Any, state: Any, pending: Any,
+                                 name: str = "") -> Optional[Tuple[Payload, Any]]:
+        """Error-feedback encode in one pass, the residual update deferred, or None.
+
+        The single-pass form of :meth:`encode_residual`, used by
+        :class:`hipress.memory.ResidualMemory` for gradients known to be finite. Instead
+        of the residual e, ``state`` may hold the previous step's compensated gradient c
+        with ``pending`` (what this method returned then) saying what was sent of it:
+        e = c - decode(pending), as :meth:`settle_residual` computes. This call settles
+        that, adds ``x`` and stores the new c = x + e in ``state``; the subtraction of
+        this step's decoded payload waits for the next call (or a settle). Results are
+        bit-identical to :meth:`encode_residual` followed by the same next steps.
+
+        Args:
+            x: the gradient (contiguous); not modified.
+            state: the stored c (with ``pending``) or e (``pending`` None), same shape;
+                overwritten with the new c.
+            pending: what the previous call returned with ``state``, or None.
+            name: the gradient's name (error messages).
+
+        Returns:
+            (payload of encode(x + e), the new pending value), or None (nothing done).
+
+        Raises:
+            NonFiniteGradientError: x + e is not finite. ``state`` then holds a partial
+                result: the caller must reset it.
+        """
+        return None
+
+    def merge_encode_residual_deferred(self, payloads: Sequence[Payload], state: Any,
+                                       pending: Any, name: str = ""
+                                       ) -> Optional[Tuple[Payload, Any]]:
+        """:meth:`encode_residual_deferred` of the sum of decoded payloads, or None.
+
+        What an aggregator does with the payloads of one partition: decode the first,
+        add the others' decodes in list order, then encode the sum with error feedback.
+        Codecs with a fused kernel do it in one pass without the decoded arrays or the
+        sum, bit-identical to those steps; the default offers none.
+
+        Args:
+            payloads: payloads of this codec, each for ``state.size`` elements.
+            state: as :meth:`encode_residual_deferred` (flat, the sum's length).
+            pending: as :meth:`encode_residual_deferred`.
+            name: the sum's key (error messages).
+
+        Returns:
+            (payload of the encoded sum, the new pending value), or None (nothing done).
+
+        Raises:
+            NonFiniteGradientError: as :meth:`encode_residual_deferred`.
+        """
+        return None
+
+    def settle_residual(self, state: Any, pending: Any) -> None:
+        """Turn a deferred ``state`` into the residual in place: ``state -= decode(pending)``.
+
+        Args:
+            state: what :meth:`encode_residual_deferred` stored.
+            pending: what it returned with it.
+
+        Raises:
+            NotImplementedError: the codec has no deferred path.
+        """
+        raise NotImplementedError(f"codec {self.name!r} has no deferred residual update")
+
     def decode_add(self, payload: Payload, acc: Any) -> None:
         """Add the decoded payload to ``acc`` in place (``acc += decode(payload)``).
 

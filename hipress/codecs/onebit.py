@@ -170,6 +170,81 @@ class OneBitCodec(Codec):
         fast.onebit_residual(xf, ef, bits, dt(scales[0]), dt(scales[1]))
         return Payload(self.codec_id, x.dtype, tuple(int(d) for d in x.shape), (bits, scales))
 
+    def encode_residual_deferred(self, x: Any, state: Any, pending: Any,
+                                 name: str = "") -> Optional[Tuple[Payload, Any]]:
+        """One pass: settle the previous step's bits, compensate, sign-pack and sum.
+
+        The pending value is (sign bits, value of the non-negative side, value of the
+        negative side), the values in ``x``'s dtype; ``state`` keeps the compensated
+        gradient c, so the pass reads x, c and one bit per element and writes c and the
+        new bits (12 bytes per float32 element against the 20 of
+        :meth:`encode_residual`'s two passes). NumPy float32/float64 with a state of the
+        same dtype only (else None).
+        """
+        fast = _fast_same_dtype(self, x, state)
+        if fast is None or x.size == 0:
+            return None
+        xf, cf = x.reshape(-1), state.reshape(-1)
+        bits = np.empty(-(-xf.size // 8), dtype=np.uint8)
+        dt = x.dtype.type
+        if pending is None:
+            acc, n_neg = fast.onebit_encode_ef_deferred(xf, cf, bits, dt(0), dt(0), False, bits)
+        else:
+            pbits, v0, v1 = pending
+            acc, n_neg = fast.onebit_encode_ef_deferred(xf, cf, pbits, v0, v1, True, bits)
+        scales = _means(kq.combine_lanes(acc[0]), kq.combine_lanes(acc[1]), int(n_neg), xf.size)
+        ops.check_finite(scales[0], name, "non-negative mean")
+        ops.check_finite(scales[1], name, "negative mean")
+        payload = Payload(self.codec_id, x.dtype, tuple(int(d) for d in x.shape), (bits, scales))
+        return payload, (bits, dt(scales[0]), dt(scales[1]))
+
+    def merge_encode_residual_deferred(self, payloads: Sequence[Payload], state: Any,
+                                       pending: Any, name: str = ""
+                                       ) -> Optional[Tuple[Payload, Any]]:
+        """One pass over the payloads' bits and ``state``: sum, settle, compensate, encode.
+
+        The kernel adds up to 4 payloads in its pass; with more (world size > 4), the
+        first ones are summed beforehand by decode and :meth:`decode_add`, in the same
+        order. NumPy float32/float64 payloads of ``state``'s dtype and size only (else
+        None).
+        """
+        fast = _fast_same_dtype(self, state, state)
+        n = state.size
+        if fast is None or n == 0 or not payloads or any(
+                p.codec_id != self.codec_id or np.dtype(p.dtype) != state.dtype
+                or p.numel != n or type(p.sections[0]) is not np.ndarray for p in payloads):
+            return None
+        for p in payloads:
+            self._check_sections(p)
+        dt = state.dtype.type
+        head, tail = payloads[:-4], payloads[-4:]  # the kernel takes 4 at a time
+        x = np.zeros(1, state.dtype)
+        if head:  # the partial sum of the first ones, as the separate steps compute it
+            x = self.decode(head[0]).reshape(-1).astype(state.dtype, copy=False)
+            for p in head[1:]:
+                self.decode_add(p, x)
+        bs = [p.sections[0] for p in tail]
+        vals = np.zeros((4, 2), state.dtype)
+        vals[:len(tail)] = [kq.host_floats(p.sections[1]) for p in tail]
+        bs += [bs[0]] * (4 - len(bs))
+        cf = state.reshape(-1)
+        bits = np.empty(-(-n // 8), dtype=np.uint8)
+        sbits, v0, v1, settle = (bits, dt(0), dt(0), False) if pending is None else (
+            *pending, True)
+        acc, n_neg = fast.onebit_merge_encode_ef_deferred(
+            x, bool(head), bs[0], bs[1], bs[2], bs[3], vals, len(tail), cf, sbits, v0, v1,
+            settle, bits)
+        scales = _means(kq.combine_lanes(acc[0]), kq.combine_lanes(acc[1]), int(n_neg), n)
+        ops.check_finite(scales[0], name, "non-negative mean")
+        ops.check_finite(scales[1], name, "negative mean")
+        payload = Payload(self.codec_id, state.dtype, (n,), (bits, scales))
+        return payload, (bits, dt(scales[0]), dt(scales[1]))
+
+    def settle_residual(self, state: Any, pending: Any) -> None:
+        """``state -= v1 if bit else v0`` for each element, in place (one pass)."""
+        bits, v0, v1 = pending
+        kq.fast_kernels().onebit_settle(bits, v0, v1, state.reshape(-1))
+
     def decode_add(self, payload: Payload, acc: Any) -> None:
         """``acc += decode(payload)`` in one pass (NumPy, payload dtype = acc dtype)."""
         fast = _fast_decode(self, payload, acc)

@@ -125,7 +125,9 @@ def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
     with env.timeline.span("encode", gradient=job.name, partition=part, numel=int(x.size),
                            codec=codec.name, feedback=bool(feedback)):
         if feedback:
-            payload, decoded = job.memory.encode(codec, key, x)
+            # compressed gradients were checked finite in negotiation (else they travel
+            # uncompressed), and sums of decoded finite payloads are finite
+            payload, decoded = job.memory.encode(codec, key, x, finite=True)
         else:
             payload, decoded = codec.encode(x, name=key), None
         buf = payload.to_buffer()
@@ -229,6 +231,34 @@ def _comm(env: TaskEnv, job: Job, part: str, kind: str, ops: List[Any]) -> Gener
     return res
 
 
+def _merge_encode_step(env: TaskEnv, job: Job, codec: Codec, bufs: Sequence[Any], part: str,
+                       numel: int, key: str, feedback: bool) -> Tuple[np.ndarray, Any]:
+    """An aggregator's decode + merge of ``bufs`` and encode of the sum (with feedback).
+
+    One fused pass where the memory and the codec offer it (onebit with residual error
+    feedback on the host: :meth:`hipress.memory.ResidualMemory.merge_encode`), timed as
+    one ``merge+encode`` span; else :func:`_decode_sum_step` then :func:`_encode_step`.
+    Both give the same bytes.
+
+    Returns:
+        As :func:`_encode_step`.
+    """
+    merge_encode = getattr(job.memory, "merge_encode", None)
+    if (feedback and merge_encode is not None and array_module(job.flat) is np
+            and type(codec).merge_encode_residual_deferred
+            is not Codec.merge_encode_residual_deferred):
+        with env.timeline.span("merge+encode", gradient=job.name, partition=part,
+                               payloads=len(bufs), numel=int(numel), codec=codec.name,
+                               feedback=True):
+            payloads = [Payload.from_bytes(b[0] if isinstance(b, tuple) else b, numel=numel)
+                        for b in bufs]
+            payload = merge_encode(codec, key, payloads)
+            if payload is not None:
+                return payload.to_buffer(), None
+    merged = _decode_sum_step(env, job, codec, bufs, part, numel)
+    return _encode_step(env, job, codec, merged, key, feedback, part + "@agg")
+
+
 # ------------------------------------------------------------------ strategies
 def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int,
             tag: int) -> Generator:
@@ -258,10 +288,10 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
             Recv(r, tag, nbytes) for r in range(N) if r != me])
         bufs = list(got)
         bufs.insert(me, own)
-        merged = yield Compute(_decode_sum_step, (env, job, codec, bufs, label, hi - lo))
         skey = f"{key}@agg"
         sfb = job.memory.name != "none"
-        final = yield Compute(_encode_step, (env, job, codec, merged, skey, sfb, label + "@agg"))
+        final = yield Compute(_merge_encode_step, (env, job, codec, bufs, label, hi - lo, skey,
+                                                   sfb))
         yield from _comm(env, job, label, "send", [
             Send(r, final[0], tag + 1, codec.variable_size) for r in range(N) if r != me])
     yield Compute(_decode_write_step, (env, job, codec, final, lo, hi, label))

@@ -14,12 +14,12 @@ running sum of the gradients, off by one bounded residual.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Tuple, Type
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
 import numpy as np
 
 from hipress.backend import array_module, compute_dtype, to_host
-from hipress.errors import CodecError
+from hipress.errors import CodecError, NonFiniteGradientError
 
 
 class Memory:
@@ -37,13 +37,16 @@ class Memory:
     def update(self, name: str, compensated: Any, decoded: Any) -> None:
         """Record what the codec left out of ``compensated``."""
 
-    def encode(self, codec: Any, name: str, grad: Any) -> Tuple[Any, Any]:
+    def encode(self, codec: Any, name: str, grad: Any, finite: bool = False) -> Tuple[Any, Any]:
         """Run the error-feedback step of the module docstring for one gradient.
 
         Args:
             codec: the :class:`hipress.codecs.Codec`.
             name: the key of the gradient's state.
             grad: the gradient (not modified).
+            finite: the caller has checked that ``grad`` holds no inf/NaN (the engine
+                does, for every gradient it compresses); memories may then take faster
+                paths that cannot leave the state unchanged on an error.
 
         Returns:
             (payload, decoded): the payload of the compensated gradient, and its decoded
@@ -51,7 +54,8 @@ class Memory:
             gives the same values).
 
         Raises:
-            NonFiniteGradientError: from the codec; the state is then left unchanged.
+            NonFiniteGradientError: from the codec; the state is then left unchanged
+                (with ``finite``, a memory may reset it instead, and says so).
         """
         c = self.compensate(name, grad)
         payload = codec.encode(c, name=name)
@@ -136,18 +140,20 @@ class Memory:
 
         State from a checkpoint (NumPy) moves to ``like``'s device on first use.
         """
-        xp = array_module(like)
+        return self._stored(name, tuple(like.shape), like.dtype, array_module(like))
+
+    def _stored(self, name: str, shape: Tuple[int, ...], dtype: Any, xp: Any) -> Any:
+        """:meth:`_buffer` for a gradient of ``shape`` and ``dtype`` in module ``xp``."""
         buf = self._state.get(name)
-        want = compute_dtype(like.dtype)
         if buf is None:
-            buf = xp.zeros(like.shape, dtype=want)
+            buf = xp.zeros(shape, dtype=compute_dtype(dtype))
             self._state[name] = buf
         elif array_module(buf) is not xp:
             buf = xp.asarray(buf)
             self._state[name] = buf
-        if buf.shape != like.shape:
+        if tuple(buf.shape) != shape:
             raise CodecError(
-                f"gradient {name!r} has shape {tuple(like.shape)} but its stored residual "
+                f"gradient {name!r} has shape {shape} but its stored residual "
                 f"has {tuple(buf.shape)}: two tensors share a name, or a checkpoint from "
                 "another model was loaded"
             )
@@ -225,6 +231,9 @@ class ResidualMemory(Memory):
         if not (0.0 <= float(beta) <= 1.0) or math.isnan(float(beta)):
             raise CodecError(f"residual beta must be in [0, 1], got {beta!r}")
         self.beta = float(beta)
+        #: name -> (codec, pending) of a deferred residual update: the state of ``name``
+        #: then holds the compensated gradient c, and e = c - decode(pending)
+        self._pending: Dict[str, Tuple[Any, Any]] = {}
 
     def params(self) -> Dict[str, Any]:
         """Return the constructor parameters."""
@@ -238,18 +247,131 @@ class ResidualMemory(Memory):
             return xp.add(grad, e, dtype=e.dtype)  # one pass, upcasting on the fly
         return xp.add(grad, e * e.dtype.type(self.beta), dtype=e.dtype)
 
-    def encode(self, codec: Any, name: str, grad: Any) -> Tuple[Any, Any]:
-        """As :meth:`Memory.encode`, through the codec's fused kernel when it has one.
+    def encode(self, codec: Any, name: str, grad: Any, finite: bool = False) -> Tuple[Any, Any]:
+        """As :meth:`Memory.encode`, through the codec's fused kernels when it has them.
 
-        With ``beta = 1`` the codec's :meth:`~hipress.codecs.Codec.encode_residual` (if it
-        supports the arrays) compensates, encodes and updates in two passes over memory
-        without temporaries; the result is bit-identical to the three separate steps.
+        With ``beta = 1``:
+
+        - ``finite``: the codec's one-pass
+          :meth:`~hipress.codecs.Codec.encode_residual_deferred` (onebit on NumPy)
+          stores the compensated gradient and keeps what was sent of it as pending; the
+          subtraction that makes it the residual runs inside the next step's pass, or
+          when the residual is read (:meth:`get`, :meth:`state_dict`, another path).
+          If x + e is not finite it raises NonFiniteGradientError with the residual of
+          ``name`` reset to zero (the partial pass cannot be undone).
+        - otherwise the codec's :meth:`~hipress.codecs.Codec.encode_residual`
+          compensates, encodes and updates in two passes without temporaries, leaving
+          the residual unchanged on an error.
+
+        Both are bit-identical to the three separate steps.
         """
         if self.beta == 1.0:
+            if finite and type(grad) is np.ndarray:
+                done = self._encode_deferred(
+                    codec, name, tuple(grad.shape), grad.dtype,
+                    lambda state, pend: codec.encode_residual_deferred(grad, state, pend, name))
+                if done is not None:
+                    return done, None
             payload = codec.encode_residual(grad, self._buffer(name, grad), name)
             if payload is not None:
                 return payload, None
         return super().encode(codec, name, grad)
+
+    def merge_encode(self, codec: Any, name: str, payloads: Sequence[Any]) -> Any:
+        """Encode the sum of decoded ``payloads`` with error feedback, in one fused pass.
+
+        The aggregator's step (decode the payloads, add them in list order, then
+        :meth:`encode` the sum with ``finite``), through the codec's
+        :meth:`~hipress.codecs.Codec.merge_encode_residual_deferred`; bit-identical to
+        those steps. Host payloads and ``beta = 1`` only.
+
+        Args:
+            codec: the codec of the payloads.
+            name: the key of the sum's residual.
+            payloads: NumPy payloads of ``codec``, all for the same number of elements.
+
+        Returns:
+            The payload of the encoded sum, or None when the codec has no fused kernel
+            for these payloads (nothing was done: run the separate steps).
+
+        Raises:
+            NonFiniteGradientError: as :meth:`encode` with ``finite``.
+        """
+        if self.beta != 1.0 or not payloads:
+            return None
+        n = payloads[0].numel
+        return self._encode_deferred(
+            codec, name, (n,), payloads[0].dtype,
+            lambda state, pend: codec.merge_encode_residual_deferred(payloads, state, pend,
+                                                                     name))
+
+    def _encode_deferred(self, codec: Any, name: str, shape: Tuple[int, ...], dtype: Any,
+                         run: Callable[[Any, Any], Any]) -> Any:
+        """Run a deferred encode ``run(state, pending)`` on the stored state of ``name``."""
+        prev = self._pending.get(name)
+        if prev is not None and type(prev[0]) is not type(codec):
+            self._settle(name)
+            prev = None
+        state = self._stored(name, shape, dtype, np)  # as stored: c while a settle is pending
+        try:
+            done = run(state, None if prev is None else prev[1])
+        except NonFiniteGradientError as exc:
+            self._pending.pop(name, None)
+            state[...] = 0
+            raise NonFiniteGradientError(
+                f"{exc} Its error-feedback residual was reset to zero.") from exc
+        if done is None:
+            self._settle(name)
+            return None
+        self._pending[name] = (codec, done[1])
+        return done[0]
+
+    def _settle(self, name: str) -> None:
+        """Apply a deferred update of ``name``: its state becomes the residual again."""
+        pend = self._pending.pop(name, None)
+        if pend is not None:
+            pend[0].settle_residual(self._state[name], pend[1])
+
+    def _buffer(self, name: str, like: Any) -> Any:
+        self._settle(name)
+        return super()._buffer(name, like)
+
+    def get(self, name: str) -> Any:
+        """Return the residual of ``name`` (None if it has none yet), settled first."""
+        self._settle(name)
+        return super().get(name)
+
+    def state_dict(self) -> Dict[str, np.ndarray]:
+        """As :meth:`Memory.state_dict`: the residuals, deferred updates applied to the copies.
+
+        The stored states are not touched, so this is as safe as the base method while
+        the engine runs; between steps the copies are exact.
+        """
+        pending = dict(self._pending)
+        out = super().state_dict()
+        for k, (codec, pend) in pending.items():
+            if k in out:
+                codec.settle_residual(out[k], pend)
+        return out
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """As :meth:`Memory.load_state_dict`; deferred updates are dropped with the state."""
+        super().load_state_dict(state)
+        self._pending = {}
+
+    def reset(self, name: str = "") -> None:
+        """Forget the state (and any deferred update) of one gradient, or of all."""
+        super().reset(name)
+        if name:
+            self._pending.pop(name, None)
+        else:
+            self._pending.clear()
+
+    def reset_prefix(self, prefix: str) -> int:
+        """As :meth:`Memory.reset_prefix`, deferred updates included."""
+        for k in [k for k in self._pending if k.startswith(prefix)]:
+            del self._pending[k]
+        return super().reset_prefix(prefix)
 
     def update_sparse(self, name: str, compensated: Any, indices: Any, values: Any) -> None:
         """Store e = compensated - decoded for a sparse decoded array (see the base class).
