@@ -702,6 +702,21 @@ def test_merge_encode_equals_decode_sum_then_encode(dtype, n, parts):
     assert np.array_equal(fused.get("w@agg"), ref.get("w@agg"))
 
 
+def test_merge_encode_compiles_once_whatever_mix_of_received_and_own_payloads():
+    """Received payloads are read-only, the aggregator's own is writable, at the rank's
+    position: each mix compiled the kernel anew (3-5 s each, mid-training). One now."""
+    codec = get_codec("onebit")
+    mem = ResidualMemory()
+    kernel = kq.fast_kernels().onebit_merge_encode_ef_deferred
+    own = [codec.encode(np.full(40, v, np.float32), "w") for v in (1.0, -2.0, 3.0, 0.5)]
+    got = [Payload.from_bytes(bytes(p.to_bytes()), numel=40) for p in own]
+    mem.merge_encode(codec, "w", got)
+    compiled = len(kernel.signatures)
+    for mix in ([own[0]] + got[1:], got[:3] + [own[3]], own, got[:1] + own[1:2] + got[2:3]):
+        mem.merge_encode(codec, "w", mix)
+    assert len(kernel.signatures) == compiled
+
+
 def test_merge_encode_declines_what_it_cannot_fuse():
     codec = get_codec("onebit")
     mem = ResidualMemory()

@@ -223,7 +223,9 @@ class OneBitCodec(Codec):
             x = self.decode(head[0]).reshape(-1).astype(state.dtype, copy=False)
             for p in head[1:]:
                 self.decode_add(p, x)
-        bs = [p.sections[0] for p in tail]
+        # read-only views: payloads from received bytes are read-only, this rank's own
+        # is writable, and each mix (by the rank's position) compiled the kernel anew
+        bs = [_readonly(p.sections[0]) for p in tail]
         vals = np.zeros((4, 2), state.dtype)
         vals[:len(tail)] = [kq.host_floats(p.sections[1]) for p in tail]
         bs += [bs[0]] * (4 - len(bs))
@@ -262,6 +264,13 @@ class OneBitCodec(Codec):
         bits, scales = payload.sections
         dt = out.dtype.type
         fast.decode_1bit(bits, dt(scales[0]) / dt(divisor), dt(scales[1]) / dt(divisor), out)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    """Return a read-only view of ``a`` (one Numba signature whatever the source)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _fast_same_dtype(codec: Codec, x: Any, residual: Any) -> Any:
