@@ -11,7 +11,9 @@ Two measurements, each a median over ``--iters`` after ``--warmup``, slowest ran
 - ``--part core``: the core alone: ``hipress.allreduce_async`` of a model's gradient set
   (``hipress/data/gradients/<model>.json``, NumPy float32) then ``synchronize``, per codec,
   against ``np.copyto`` of the same bytes (a memory copy, the floor of any runtime that
-  touches every gradient once). Each codec runs twice: results in new arrays, and
+  touches every gradient once) and, at world size > 1, against ``MPI.Allreduce`` of
+  the same bytes in one buffer (``mpi allreduce``, the transport's own floor for the
+  uncompressed row). Each codec runs twice: results in new arrays, and
   ``inplace=True`` (results written into the gradients, as the adapters submit them;
   averaging in place changes the values each iteration, which changes nothing in cost).
 - ``--part latency``: one ``hipress.allreduce`` of 4 float32 values (a negotiation round
@@ -132,6 +134,15 @@ def core_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
     rows = [{"part": "core", "codec": "memcpy", "ms": _slowest(
         _median_ms(memcpy, args.iters, args.warmup, _barrier))}]
+    if hipress.size() > 1:  # the transport's own floor: one MPI allreduce of the same bytes
+        from mpi4py import MPI
+
+        flat = np.concatenate([g.reshape(-1) for _, g in grads])
+        summed = np.empty_like(flat)
+        rows.append({"part": "core", "codec": "mpi allreduce", "ms": _slowest(_median_ms(
+            lambda: MPI.COMM_WORLD.Allreduce(flat, summed), args.iters, args.warmup,
+            _barrier))})
+        del flat, summed
     for codec, inplace in [(c, i) for c in _csv(args.codecs) for i in (False, True)]:
         c = None if codec == "none" else get_codec(codec, **PARAMS.get(codec, {}))
         tag = f"{codec}/"

@@ -607,7 +607,8 @@ def stats() -> Dict[str, Dict[str, Any]]:
     (compressed allreduce), fused (small uncompressed gradients in a fused buffer), direct
     (uncompressed, reduced in place from the gradient's memory), broadcast, or local at
     world size 1), calls, bytes_sent (bytes this rank put on the wire), payload_bytes,
-    raw_bytes, compression_ratio.
+    raw_bytes, compression_ratio; bulk_calls (calls whose PS synchronization ran in bulk
+    with other small gradients of the same round, present once one did).
     """
     return _engine().stats()
 

@@ -75,6 +75,11 @@ def test_cycle_paces_rounds_and_a_waiting_rank_starts_one_at_once(np_):
     run_cases(np_, ["cycle_paces_rounds_and_waiting_flushes"])
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_ps_bulk_is_bit_identical_to_one_task_per_gradient(np_):
+    run_cases(np_, ["ps_bulk_matches_one_task_per_gradient"])
+
+
 def test_gather_path_values_world2():
     run_cases(2, ["gather_topk"])
 

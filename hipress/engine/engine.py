@@ -81,6 +81,9 @@ _DIRECT_MIN_BYTES = 1 << 20
 #: partition size of such in-place reductions (pipelines large gradients)
 _DIRECT_PARTITION_BYTES = 16 << 20
 _DIRECT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: compressed PS gradients of at most this size that need one partition are synchronized
+#: in bulk, many per task (tasks.ps_bulk_task), up to sync.partition_bytes of them
+BULK_MAX_BYTES = 256 << 10
 #: MPI polling back-off while transfers are in flight (each wake-up costs CPU that the
 #: training step needs; compute steps wake the thread at once, they are not polled)
 _POLL_MIN_S = 0.0005
@@ -1327,6 +1330,7 @@ class Engine:
 
     def _start(self, subs: List[_Submission]) -> None:
         """Plan ready submissions (in agreed order) and start their task graphs."""
+        bulk: List[Tuple[T.Job, int]] = []
         for sub in subs:
             path = self._path(sub)
             job = self._job(sub, path)
@@ -1370,6 +1374,9 @@ class Engine:
             else:
                 n = job.flat.size
                 parts = min(sub.partitions or self._partitions(n * job.flat.dtype.itemsize), n)
+                if path == "ps" and parts == 1 and job.flat.nbytes <= BULK_MAX_BYTES:
+                    bulk.append((job, zlib.crc32(sub.name.encode()) % self.size))
+                    continue
                 bounds = T._bounds(n, parts)
                 job.parts_left = parts
                 for p in range(parts):
@@ -1384,6 +1391,31 @@ class Engine:
                     else:
                         gen = T.ring_task(self.env, job, lo, hi, p, tag)
                     self._launch(gen, f"{sub.name}#p{p}", tag)
+        self._start_bulk(bulk)
+
+    def _start_bulk(self, items: List[Tuple[T.Job, int]]) -> None:
+        """Start small single-partition PS gradients of one round in bulk tasks.
+
+        ``items`` hold (job, aggregator) in agreed order, so every rank cuts the same
+        groups of at most ``sync.partition_bytes`` and gives them the same tags. A group
+        of one runs as a plain :func:`~hipress.engine.tasks.ps_task`.
+        """
+        groups: List[List[Tuple[T.Job, int]]] = []
+        nbytes = 0
+        for item in items:
+            if not groups or nbytes + item[0].flat.nbytes > self.cfg.sync.partition_bytes:
+                groups.append([])
+                nbytes = 0
+            groups[-1].append(item)
+            nbytes += item[0].flat.nbytes
+        for group in groups:
+            tag = self._next_tag()
+            if len(group) == 1:
+                job, agg = group[0]
+                self._launch(T.ps_task(self.env, job, 0, job.flat.size, 0, agg, tag),
+                             f"{job.name}#p0", tag)
+            else:
+                self._launch(T.ps_bulk_task(self.env, group, tag), f"bulk[{len(group)}]", tag)
 
     def _release_fused(self, flush: bool) -> None:
         """Start the held small gradients as fused allreduces, if it is time.

@@ -11,7 +11,8 @@ error-feedback residuals are in the same units whichever rank merges.
 Strategies (after Bai et al., SOSP'21, section 3):
 
 - :func:`ps_task` — CaSync-PS, co-located: the partition's aggregator (round-robin) receives
-  every rank's payload, decodes and merges them, encodes the sum once and sends it back.
+  every rank's payload, decodes and merges them, encodes the sum once and sends it back;
+  :func:`ps_bulk_task` runs the same steps for many small gradients in one task.
 - :func:`ring_task` — CaSync-Ring: reduce-scatter whose every hop is recv -> decode ->
   merge -> encode -> send, then an allgather of the compressed chunks (no re-encode).
 - :func:`gather_task` — for payloads whose size varies across ranks (DGC, GradDrop): every
@@ -32,6 +33,7 @@ import numpy as np
 from hipress.backend import GRADIENT_DTYPES, array_module, compute_dtype, store_scaled, to_host
 from hipress.codecs.base import Codec, Payload
 from hipress.engine.scheduler import Compute, Recv, Send
+from hipress.errors import PayloadError
 from hipress.memory import Memory
 from hipress.timeline import Timeline
 
@@ -297,6 +299,124 @@ def ps_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, aggregator: int
     yield Compute(_decode_write_step, (env, job, codec, final, lo, hi, label))
     _stat(env, job.name, payload_bytes=int(own[0].size), raw_bytes=(hi - lo) * x.dtype.itemsize)
     job.part_done()
+
+
+def ps_bulk_task(env: TaskEnv, items: Sequence[Tuple[Job, int]], tag: int) -> Generator:
+    """CaSync-PS for many small gradients in one task: bulk synchronization.
+
+    Each ``(job, aggregator)`` item is one whole gradient (partition ``p0``) with the
+    aggregator :func:`ps_task` would give it, and every item goes through
+    :func:`ps_task`'s steps with the same residual keys and the same rank order of the
+    sum, so payloads and results are bit-identical to one :func:`ps_task` per item.
+    Batched is what surrounds the codec calls (after Bai et al., SOSP'21, 3.2: small
+    gradients are synchronized in bulk): one compute step encodes every item, one
+    message per pair of ranks carries the concatenated payloads to each aggregator (all
+    payload sizes follow from the element counts), one compute step merges and
+    re-encodes each aggregator's items, one message per pair carries the results back,
+    one compute step decodes them all. Sent one task each, a gradient of a few KiB cost
+    a scheduler hop per primitive and 2 (N - 1) messages.
+
+    Args:
+        env: the engine's task environment.
+        items: (job, aggregator rank) pairs, every job on a fixed-size codec.
+        tag: this task's base tag (``tag`` and ``tag + 1`` are used).
+    """
+    N, me = env.size, env.rank
+    label = f"bulk[{len(items)}]"
+    sizes = [job.codec.payload_nbytes((job.flat.size,), job.flat.dtype) for job, _ in items]
+    by_agg: Dict[int, List[int]] = {}
+    for i, (_, agg) in enumerate(items):
+        by_agg.setdefault(agg, []).append(i)
+    mine = by_agg.get(me, [])
+    own = yield Compute(_bulk_encode_step, (env, items))
+    got = yield from _bulk_comm(env, label, "send+recv", [
+        Send(a, _concat([own[i][0] for i in idx]), tag)
+        for a, idx in sorted(by_agg.items()) if a != me] + [
+        Recv(r, tag, sum(sizes[i] for i in mine)) for r in range(N) if r != me and mine])
+    finals: Dict[int, Any] = {}
+    if mine:
+        received = got[len(got) - (N - 1):]
+        bufs = {i: [] for i in mine}
+        for r in range(N):
+            if r == me:
+                for i in mine:
+                    bufs[i].append(own[i])
+                continue
+            raw = received[r if r < me else r - 1]
+            for i, piece in zip(mine, _split(raw, [sizes[i] for i in mine])):
+                bufs[i].append(piece)
+        finals = yield Compute(_bulk_merge_step, (env, items, mine, bufs))
+    others = [a for a in sorted(by_agg) if a != me]
+    got = yield from _bulk_comm(env, label, "send+recv", [
+        Send(r, _concat([finals[i][0] for i in mine]), tag + 1)
+        for r in range(N) if r != me and mine] + [
+        Recv(a, tag + 1, sum(sizes[i] for i in by_agg[a])) for a in others])
+    for a, raw in zip(others, got[len(got) - len(others):]):
+        for i, piece in zip(by_agg[a], _split(raw, [sizes[i] for i in by_agg[a]])):
+            finals[i] = piece
+    yield Compute(_bulk_decode_step, (env, items, finals))
+    for i, (job, agg) in enumerate(items):
+        _stat(env, job.name, payload_bytes=sizes[i],
+              raw_bytes=job.flat.size * job.flat.dtype.itemsize,
+              bytes_sent=sizes[i] * ((N - 1) if agg == me else 1) if N > 1 else 0,
+              bulk_calls=1)
+        job.part_done()
+
+
+def _bulk_encode_step(env: TaskEnv, items: Sequence[Tuple[Job, int]]) -> List[Any]:
+    """:func:`_encode_step` of every item, as :func:`ps_task` encodes partition ``p0``."""
+    return [_encode_step(env, job, job.codec, job.flat, f"{job.name}#p0",
+                         job.contributes and job.memory.name != "none", "p0")
+            for job, _ in items]
+
+
+def _bulk_merge_step(env: TaskEnv, items: Sequence[Tuple[Job, int]], mine: Sequence[int],
+                     bufs: Dict[int, List[Any]]) -> Dict[int, Any]:
+    """The aggregator's :func:`_merge_encode_step` of each of its items (index -> result)."""
+    out = {}
+    for i in mine:
+        job = items[i][0]
+        out[i] = _merge_encode_step(env, job, job.codec, bufs[i], "p0", job.flat.size,
+                                    f"{job.name}#p0@agg", job.memory.name != "none")
+    return out
+
+
+def _bulk_decode_step(env: TaskEnv, items: Sequence[Tuple[Job, int]],
+                      finals: Dict[int, Any]) -> None:
+    """:func:`_decode_write_step` of every item's final payload."""
+    for i, (job, _) in enumerate(items):
+        _decode_write_step(env, job, job.codec, finals[i], 0, job.flat.size, "p0")
+
+
+def _bulk_comm(env: TaskEnv, label: str, kind: str, ops: List[Any]) -> Generator:
+    """Yield a bulk task's communication ops, recording one timeline event for the wait."""
+    start = env.timeline.now_us()
+    res = yield ops
+    env.timeline.add(kind, start, env.timeline.now_us() - start, gradient=label,
+                     partition="p0",
+                     bytes=sum(int(o.buf.nbytes) for o in ops if isinstance(o, Send)))
+    return res
+
+
+def _concat(bufs: Sequence[np.ndarray]) -> np.ndarray:
+    """Concatenate uint8 wire buffers (one message)."""
+    return bufs[0] if len(bufs) == 1 else np.concatenate(bufs)
+
+
+def _split(raw: np.ndarray, sizes: Sequence[int]) -> List[np.ndarray]:
+    """Cut a received message into views of ``sizes`` bytes each, in order.
+
+    Raises:
+        PayloadError: the message does not hold exactly ``sum(sizes)`` bytes.
+    """
+    if raw.size != sum(sizes):
+        raise PayloadError(f"bulk message of {raw.size} bytes, expected {sum(sizes)} "
+                           f"for {len(sizes)} payloads")
+    out, o = [], 0
+    for n in sizes:
+        out.append(raw[o:o + n])
+        o += n
+    return out
 
 
 def ring_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -> Generator:
