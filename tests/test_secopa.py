@@ -475,8 +475,9 @@ def test_profile_flags_load_and_keeps_a_low_percentile_with_its_spread(monkeypat
     assert not quiet.loaded
 
 
-def _timeline(factors, n=1 << 20, feedback=True):
-    """Spans of onebit whose durations are ``factors`` times PROFILE4's predictions."""
+def _timeline(factors, n=1 << 20, feedback=True, fused=False):
+    """Spans of onebit whose durations are ``factors`` times PROFILE4's predictions
+    (``fused``: the aggregator's merge as one merge+encode span, as onebit's fused pass)."""
     cp, x = PROFILE4.codecs["onebit"], 4.0 * n
     enc = cp.encode(x) + (cp.decode(x) + PROFILE4.ef(x) if feedback else 0.0)
     events = []
@@ -489,6 +490,10 @@ def _timeline(factors, n=1 << 20, feedback=True):
              * factors["decode"] * wobble * 1e6, "args": {"codec": "onebit", "numel": n}},
             {"name": "decode", "ph": "X", "ts": i, "dur": 1.0,  # a stored own payload
              "args": {"codec": "onebit", "numel": n, "reused": True}},
+            {"name": "merge+encode", "ph": "X", "ts": i, "dur": (4 * cp.merge(x) + enc)
+             * factors["merge"] * wobble * 1e6,
+             "args": {"codec": "onebit", "numel": n, "payloads": 4, "feedback": feedback}}
+            if fused else
             {"name": "decode+merge", "ph": "X", "ts": i, "dur": 4 * cp.merge(x)
              * factors["merge"] * wobble * 1e6,
              "args": {"codec": "onebit", "numel": n, "payloads": 4}},
@@ -530,6 +535,18 @@ def test_refit_from_timeline_scales_compute_to_what_training_measured(tmp_path, 
     assert Profile.load(out).source == f"timeline:{trace}"
     assert cli.main(["profile", "--from-timeline", str(trace), "-o", str(out)]) == 1
     assert "needs --profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_refit_reads_the_fused_merge_encode_span_as_merge(feedback):
+    from hipress.secopa.profile import refit_from_timeline
+
+    factors = {"encode": 0.8, "decode": 1.2, "merge": 2.5}
+    _, report = refit_from_timeline(PROFILE4, _timeline(factors, feedback=feedback,
+                                                        fused=True))
+    assert report["onebit/merge"]["spans"] == 5
+    assert report["onebit/merge"]["factor"] == pytest.approx(2.5)
+    assert report["onebit/encode"]["factor"] == pytest.approx(0.8)
 
 
 # ----------------------------------------------------------------------------- pipeline

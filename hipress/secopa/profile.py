@@ -997,7 +997,8 @@ def run_profile(
 
 # ----------------------------------------------------------------------------- timelines
 #: timeline spans the refit reads, and the profile primitive each one measures
-_SPAN_OPS = {"encode": "encode", "decode": "decode", "decode+merge": "merge"}
+_SPAN_OPS = {"encode": "encode", "decode": "decode", "decode+merge": "merge",
+             "merge+encode": "merge"}
 
 
 def trace_events(trace: Any) -> List[Dict[str, Any]]:
@@ -1029,18 +1030,20 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
         Profile, Dict[str, Dict[str, Any]]]:
     """Scale a profile's compute costs to what a real job's timeline measured.
 
-    A profile is measured on its own, while in training the codecs share the cores with
-    the backward pass and with the other ranks on the host: on this project's two-core
-    machines they ran 2-2.5x slower there. This reads the job's ``encode``, ``decode``
-    and ``decode+merge`` spans (a timeline written with ``timeline: trace.json``), divides
-    each span's duration by what ``profile`` predicts for it (encode: ``encode`` plus,
-    with error feedback, ``decode`` and ``ef``; decode: ``decode`` + ``write``;
-    decode+merge of P payloads: P ``merge``), and scales each codec's fits by the median
-    of those ratios (:meth:`Fit.scaled`: the per-byte slopes, which dominate large
-    gradients), ``ef`` and ``write`` by the encode and decode factors of the codec seen
-    most. ``round_s`` becomes the median interval between the timeline's negotiation
-    rounds (rank 0's). Message costs are kept (the timeline's waits include time spent
-    waiting for other ranks, not only the wire).
+    A profile is measured on its own, while in training the codecs share the cores with the
+    backward pass and with the other ranks on the host: on this project's two-core machines
+    they ran 2-2.5x slower there. This reads the job's ``encode``, ``decode``,
+    ``decode+merge`` and ``merge+encode`` spans (a timeline written with ``timeline:
+    trace.json``), divides each span's duration by what ``profile`` predicts for it (encode:
+    ``encode`` plus, with error feedback, ``decode`` and ``ef``; decode: ``decode`` +
+    ``write``; decode+merge of P payloads: P ``merge``; the aggregator's fused
+    ``merge+encode`` of P payloads: P ``merge`` and an encode, its ratio counted for
+    ``merge``), and scales each codec's fits by the median of those ratios
+    (:meth:`Fit.scaled`: the per-byte slopes, which dominate large gradients), ``ef`` and
+    ``write`` by the encode and decode factors of the codec seen most. ``round_s`` becomes
+    the median interval between the timeline's negotiation rounds (rank 0's). Message costs
+    are kept (the timeline's waits include time spent waiting for other ranks, not only the
+    wire).
 
     Args:
         profile: the measured profile to start from.
@@ -1083,6 +1086,9 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
             pred = cp.decode(x) + profile.write(x)
         else:
             pred = max(int(args.get("payloads", 1)), 1) * cp.merge(x)
+            if ev.get("name") == "merge+encode":  # a fused pass: the re-encode too
+                pred += cp.encode(x) + (cp.decode(x) + profile.ef(x)
+                                        if args.get("feedback") else 0.0)
         dur = float(ev.get("dur", 0.0)) * 1e-6
         if pred > 0 and dur > 0:
             ratios.setdefault((str(name), op), []).append(dur / pred)
