@@ -80,6 +80,10 @@ def test_ps_bulk_is_bit_identical_to_one_task_per_gradient(np_):
     run_cases(np_, ["ps_bulk_matches_one_task_per_gradient"])
 
 
+def test_empty_compressed_gradients_complete_world2():
+    run_cases(2, ["empty_compressed_gradients_complete"])
+
+
 def test_gather_path_values_world2():
     run_cases(2, ["gather_topk"])
 

@@ -1334,6 +1334,9 @@ class Engine:
         for sub in subs:
             path = self._path(sub)
             job = self._job(sub, path)
+            if path in ("ps", "ring", "gather", "allreduce") and job.flat.size == 0:
+                job.part_done()  # nothing to encode or send (the size is agreed)
+                continue
             if path == "fused" and self._direct(job):
                 path = "direct"
             st = self.stats_table.setdefault(sub.name, {})

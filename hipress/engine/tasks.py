@@ -128,7 +128,8 @@ def _encode_step(env: TaskEnv, job: Job, codec: Codec, x: Any, key: str,
                            codec=codec.name, feedback=bool(feedback)):
         if feedback:
             # compressed gradients were checked finite in negotiation (else they travel
-            # uncompressed), and sums of decoded finite payloads are finite
+            # uncompressed); an aggregator's sum of them can still overflow, which raises
+            # here as on the three-step path (the deferred memory resets that residual)
             payload, decoded = job.memory.encode(codec, key, x, finite=True)
         else:
             payload, decoded = codec.encode(x, name=key), None

@@ -319,7 +319,8 @@ class ResidualMemory(Memory):
             self._pending.pop(name, None)
             state[...] = 0
             raise NonFiniteGradientError(
-                f"{exc} Its error-feedback residual was reset to zero.") from exc
+                f"{str(exc).rstrip('.')}. Its error-feedback residual was reset to zero."
+            ) from exc
         if done is None:
             self._settle(name)
             return None

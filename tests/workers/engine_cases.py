@@ -553,6 +553,23 @@ def ps_bulk_matches_one_task_per_gradient():
 
 
 @case
+def empty_compressed_gradients_complete():
+    """Zero-element gradients on every compressed path complete with empty results (a
+    zero-size PS gradient divided by zero partitions and stopped the engine)."""
+    for codec, strategy in [("onebit", "ps"), ("onebit", "ring"), ("tbq", "ps"),
+                            ("terngrad", "allreduce"), ("dgc", None), ("powersgd", None)]:
+        for shape in [(0,), (0, 3)]:
+            out = hp.allreduce(np.zeros(shape, np.float32),
+                               f"empty.{codec}.{strategy}.{len(shape)}", codec=codec,
+                               strategy=strategy)
+            assert out.shape == shape and out.dtype == np.float32, (codec, out.shape)
+    out = hp.allreduce(np.full(3, float(hp.rank() + 1), np.float32), "after.empty",
+                       codec="onebit", strategy="ps")
+    n = hp.size()
+    assert np.allclose(out, (n + 1) / 2), out  # the engine goes on
+
+
+@case
 def nonfinite_passes_through():
     """inf/NaN on some ranks, with every codec path: every rank receives the gradient
     non-finite (bit-identical), residuals and codec state stay, the next call is normal."""
