@@ -192,11 +192,8 @@ class OneBitCodec(Codec):
         else:
             pbits, v0, v1 = pending
             acc, n_neg = fast.onebit_encode_ef_deferred(xf, cf, pbits, v0, v1, True, bits)
-        scales = _means(kq.combine_lanes(acc[0]), kq.combine_lanes(acc[1]), int(n_neg), xf.size)
-        ops.check_finite(scales[0], name, "non-negative mean")
-        ops.check_finite(scales[1], name, "negative mean")
-        payload = Payload(self.codec_id, x.dtype, tuple(int(d) for d in x.shape), (bits, scales))
-        return payload, (bits, dt(scales[0]), dt(scales[1]))
+        return self._deferred_result(acc, n_neg, bits, x.dtype,
+                                     tuple(int(d) for d in x.shape), name)
 
     def merge_encode_residual_deferred(self, payloads: Sequence[Payload], state: Any,
                                        pending: Any, name: str = ""
@@ -236,11 +233,22 @@ class OneBitCodec(Codec):
         acc, n_neg = fast.onebit_merge_encode_ef_deferred(
             x, bool(head), bs[0], bs[1], bs[2], bs[3], vals, len(tail), cf, sbits, v0, v1,
             settle, bits)
+        return self._deferred_result(acc, n_neg, bits, state.dtype, (n,), name)
+
+    def _deferred_result(self, acc: Any, n_neg: Any, bits: np.ndarray, dtype: Any,
+                         shape: Tuple[int, ...], name: str) -> Tuple[Payload, Any]:
+        """(payload, pending) of a deferred kernel's lane sums and sign bits.
+
+        Raises:
+            NonFiniteGradientError: a side's mean is not finite.
+        """
+        n = int(np.prod(shape, dtype=np.int64))
         scales = _means(kq.combine_lanes(acc[0]), kq.combine_lanes(acc[1]), int(n_neg), n)
         ops.check_finite(scales[0], name, "non-negative mean")
         ops.check_finite(scales[1], name, "negative mean")
-        payload = Payload(self.codec_id, state.dtype, (n,), (bits, scales))
-        return payload, (bits, dt(scales[0]), dt(scales[1]))
+        dt = np.dtype(dtype).type
+        return (Payload(self.codec_id, dtype, shape, (bits, scales)),
+                (bits, dt(scales[0]), dt(scales[1])))
 
     def settle_residual(self, state: Any, pending: Any) -> None:
         """``state -= v1 if bit else v0`` for each element, in place (one pass)."""
