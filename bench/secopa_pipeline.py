@@ -270,8 +270,11 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     lines = [f"SeCoPa pipeline model vs training: {args.model}, {args.codec} "
              f"({args.strategy}), {args.hosts} hosts at {meta['rate']}, load {load_start} -> "
              f"{meta['load_end']}; refit factors "
-             + ", ".join(f"{k} {v['factor']:.2f}" for k, v in report.items())
-             + f"; round {refit.round_s * 1e3:.1f} ms", "",
+             + ", ".join(f"{k} {v['factor']:.2f}" for k, v in report.items() if "factor" in v)
+             + f"; round {refit.round_s * 1e3:.1f} ms; engine cost per task step "
+             + (f"{report['engine/step']['step_overhead_s'] * 1e3:.3f} ms (profiled "
+                f"{report['engine/step']['profiled_s'] * 1e3:.3f} ms)"
+                if "engine/step" in report else "not measured"), "",
              "| policy | compressed | step s | exposed s measured | exposed s predicted | "
              "predicted / measured | step vs best fixed |", "|---|---|---|---|---|---|---|"]
     for r in rows:

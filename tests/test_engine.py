@@ -136,12 +136,24 @@ def test_timeline_is_a_chrome_trace(tmp_path):
                and e["args"]["feedback"] is True for e in enc)
     dec = [e for e in events if e["name"] in ("decode", "decode+merge")]
     assert dec and all(e["args"]["codec"] == "onebit" and e["args"]["numel"] >= 1 for e in dec)
+    # the work spans' own thread CPU (never more than their wall time, give or take the
+    # two clocks' reads), and per step the engine's CPU and task steps: the refit's
+    # engine cost per task step
+    work = enc + dec + [e for e in events if e["name"] == "merge+encode"]
+    assert all(0.0 <= e["args"]["cpu_us"] <= e["dur"] + 50.0 for e in work)
+    cpu = [e for e in events if e["name"] == "engine-cpu"]
+    assert sorted((e["pid"], e["args"]["step"]) for e in cpu) == [
+        (r, s) for r in range(3) for s in (0, 1)]
+    # the second step ran one PS allreduce: at least encode, send, wait, decode steps
+    assert all(e["args"]["task_steps"] >= 4 and 0.0 < e["args"]["cpu_s"] < 5.0
+               for e in cpu if e["args"]["step"] == 1)
     # what SeCoPa's pipeline model reads: every allreduce's submission, grouped ones too,
-    # on every rank (broadcasts and join fillers are not arrivals)
+    # on every rank, once per step it was submitted in (broadcasts and join fillers are
+    # not arrivals)
     subs = [e for e in events if e["name"] == "submit"]
     assert sorted((e["pid"], e["args"]["gradient"], e["args"]["numel"]) for e in subs) == sorted(
         (r, name, n) for r in range(3) for name, n in (("tl.onebit", 5000), ("tl.g0", 10),
-                                                        ("tl.g1", 10)))
+                                                        ("tl.g1", 10), ("tl.onebit", 5000)))
     done = {(e["pid"], e["args"]["gradient"]) for e in events if e["name"] == "done"}
     assert {(e["pid"], e["args"]["gradient"]) for e in subs} <= done
     assert all(e["dur"] >= 0 and "ts" in e for e in events)

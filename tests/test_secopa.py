@@ -549,6 +549,108 @@ def test_refit_reads_the_fused_merge_encode_span_as_merge(feedback):
     assert report["onebit/encode"]["factor"] == pytest.approx(0.8)
 
 
+def _engine_steps(rank, cpu_s, task_steps, work):
+    """One rank's timeline: engine-cpu events at ts 0, 10, 20, ... (the first is start-up)
+    with ``cpu_s``/``task_steps`` each, and ``work`` (wall us, CPU us) encode spans per step
+    between them."""
+    events = []
+    for i, (c, n) in enumerate(zip(cpu_s, task_steps)):
+        events.append({"name": "engine-cpu", "ph": "X", "ts": 10.0 * i, "dur": 0.0, "pid": rank,
+                       "args": {"step": i, "cpu_s": c, "task_steps": n}})
+        for wall, cpu in work:
+            events.append({"name": "encode", "ph": "X", "ts": 10.0 * i + 1, "dur": wall,
+                           "pid": rank, "args": {"codec": "onebit", "numel": 1000,
+                                                 "cpu_us": cpu}})
+    return events
+
+
+def test_refit_takes_the_engine_cost_per_task_step_from_the_job(tmp_path, capsys):
+    from hipress.secopa.profile import fit_step_overhead, refit_from_timeline
+
+    # two ranks, three steps each; the first step (start-up, 9 s of compilation) is left
+    # out, and so are its spans (ts 1): per later step and rank 0.05 s of engine CPU, of
+    # which 0.02 s in two encode spans (10 ms CPU, 25 ms wall each), over 100 task steps
+    events = []
+    for r in range(2):
+        events += _engine_steps(r, [9.0, 0.05, 0.05], [7, 100, 100],
+                                [(25_000.0, 10_000.0), (25_000.0, 10_000.0)])
+    fit = fit_step_overhead(events)
+    assert fit["steps"] == 400 and fit["cpu_s"] == pytest.approx(0.2)
+    # spans after each rank's first mark: steps 1 and 2 (ts 11 and 21) of both ranks
+    assert fit["work_cpu_s"] == pytest.approx(0.08)
+    assert fit["step_overhead_s"] == pytest.approx((0.2 - 0.08) / 400)
+    refit, report = refit_from_timeline(PROFILE4, events)
+    assert refit.step_overhead_s == pytest.approx(0.12 / 400)
+    assert report["engine/step"]["profiled_s"] == PROFILE4.step_overhead_s
+    # the model charges it per task step: more partitions now cost more compute
+    onebit = CODECS["onebit"]
+    more = (CostModel(refit, 4).compressed(onebit, 10_000_000, "ps", 64, True).compute_s
+            - CostModel(refit, 4).compressed(onebit, 10_000_000, "ps", 8, True).compute_s)
+    assert more > (CostModel(PROFILE4, 4).compressed(onebit, 10_000_000, "ps", 64, True)
+                   .compute_s - CostModel(PROFILE4, 4).compressed(onebit, 10_000_000, "ps",
+                                                                  8, True).compute_s)
+    # without engine-cpu events (an older HiPress, or one step per rank) it is kept
+    assert fit_step_overhead(_timeline({"encode": 1.0, "decode": 1.0, "merge": 1.0})
+                             ["traceEvents"]) is None
+    assert fit_step_overhead(_engine_steps(0, [9.0], [7], [(1.0, 1.0)])) is None
+    kept, report = refit_from_timeline(PROFILE4, _timeline({"encode": 1.0, "decode": 1.0,
+                                                            "merge": 1.0}))
+    assert kept.step_overhead_s == PROFILE4.step_overhead_s and "engine/step" not in report
+    # the CLI says which
+    base, trace, out = tmp_path / "base.json", tmp_path / "trace.json", tmp_path / "out.json"
+    PROFILE4.save(base)
+    trace.write_text(json.dumps(events))
+    assert cli.main(["profile", "--from-timeline", str(trace), "--profile", str(base),
+                     "-o", str(out)]) == 0
+    assert "engine CPU per task step: 0.300 ms (profiled 0.050 ms)" in capsys.readouterr().out
+    assert Profile.load(out).step_overhead_s == pytest.approx(3e-4)
+
+
+def test_refit_measures_the_engines_share_of_a_core_and_the_model_uses_it(tmp_path, capsys):
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import simulate
+    from hipress.secopa.profile import fit_cpu_shares, refit_from_timeline
+
+    def ev(name, ts, dur=0.0, pid=0, **args):
+        return {"name": name, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "args": args}
+
+    # rank 0 submits step 0 from ts 0 to 100 and step 1 from 1000 to 1100; spans in a
+    # backward pass got 10 us of CPU in 40 us, spans after it 30 us in 60 us
+    events = [ev("submit", t, step=st, gradient=f"g{t}", numel=10)
+              for st, ts in ((0, (0, 50, 100)), (1, (1000, 1100))) for t in ts]
+    events += [ev("encode", 60, 40, codec="onebit", numel=1000, cpu_us=10.0),
+               ev("merge", 1001, 40, cpu_us=10.0),
+               ev("decode", 150, 60, codec="onebit", numel=1000, cpu_us=30.0),
+               ev("merge+encode", 1100, 60, codec="onebit", numel=1000, payloads=4,
+                  cpu_us=30.0),
+               ev("allreduce", 20, 500.0)]  # a wait, not work: not counted
+    shares = fit_cpu_shares(events)
+    assert shares == {"backward": 0.25, "tail": 0.5, "spans_backward": 2.0,
+                      "spans_tail": 2.0}
+    assert fit_cpu_shares([ev("encode", 1, 5.0, codec="onebit", numel=4)]) is None
+    refit, report = refit_from_timeline(PROFILE4, events)
+    assert (refit.cpu_share_backward, refit.cpu_share_tail) == (0.25, 0.5)
+    assert report["engine/cpu-share"] == shares
+    assert Profile.from_json(refit.to_json()).cpu_share_tail == 0.5  # saved and read back
+    # the cost model stretches compute by 1/0.25 (what planning sees: the backward pass)
+    onebit, n = CODECS["onebit"], 2_000_000
+    shared = PROFILE4.model_copy(update={"cpu_share_backward": 0.25, "cpu_share_tail": 0.5})
+    alone, busy = CostModel(PROFILE4, 4), CostModel(shared, 4)
+    assert busy.contention == 4.0 and alone.contention == 1.0
+    c1 = alone.compressed(onebit, n, "ps", 1, True)
+    c4 = busy.compressed(onebit, n, "ps", 1, True)
+    assert c4.compute_s == pytest.approx(4 * c1.compute_s)
+    assert c4.network_s == pytest.approx(c1.network_s)
+    # the simulation: a gradient ready during the backward pass computes at a quarter of
+    # a core, one ready at its end (the last arrival) at half a core
+    one = {"a": Decision(True, 1, "ps"), "b": Decision(True, 1, "ps")}
+    sim = simulate(busy, [("a", n, 0.0), ("b", n, 100.0)], one, onebit, True)
+    assert sim.finish_s["a"] == pytest.approx(4 * c1.compute_s + c1.network_s)
+    assert sim.finish_s["b"] - 100.0 == pytest.approx(2 * c1.compute_s + c1.network_s)
+    with pytest.raises(ProfileError, match="cpu_share_backward"):
+        Profile.from_json(PROFILE4.model_copy(update={"cpu_share_backward": 0.0}).to_json())
+
+
 # ----------------------------------------------------------------------------- pipeline
 def test_simulation_of_lone_gradients_is_their_own_cost():
     from hipress.engine.planning import Decision

@@ -195,6 +195,8 @@ class Engine:
         self.stats_table: Dict[str, Dict[str, Any]] = {}
         self.env = T.TaskEnv(self.rank, self.size, self.timeline, self.stats_table)
         self.step_count = 0
+        #: (engine CPU seconds, task steps) at the last step, for the timeline's engine-cpu
+        self._cpu_mark: Tuple[float, int] = (0.0, 0)
         self._codecs: Dict[str, Codec] = {}
         self._warned: set = set()
         self._warned_local = False
@@ -513,7 +515,33 @@ class Engine:
         self._announce()
         if self.step_count >= self.cfg.compression.warmup_steps:
             self._check_compressed()
+        if self.timeline.enabled:
+            self._record_engine_cpu()
         self.step_count += 1
+
+    def _record_engine_cpu(self) -> None:
+        """Record the engine's CPU time and task steps since the last step (timeline on).
+
+        One ``engine-cpu`` event per training step, at its end, with ``cpu_s`` (CPU
+        seconds of the engine thread and its compute pool's threads) and ``task_steps``
+        (task-graph steps run, :attr:`Scheduler.task_steps`) since the previous one:
+        SeCoPa's refit (``hipress profile --from-timeline``) takes the engine's cost per
+        task step from them.
+        """
+        threads = [self._thread] + list(getattr(self._sched.pool, "_threads", ()) or ())
+        cpu = 0.0
+        for th in threads:
+            if th.ident is None or not th.is_alive():
+                continue
+            try:
+                cpu += time.clock_gettime(time.pthread_getcpuclockid(th.ident))
+            except (OSError, AttributeError):  # a thread that just ended; not on Linux
+                continue
+        steps = self._sched.task_steps
+        last_cpu, last_steps = self._cpu_mark
+        self._cpu_mark = (cpu, steps)
+        self.timeline.add("engine-cpu", self.timeline.now_us(), 0.0, step=self.step_count,
+                          cpu_s=round(cpu - last_cpu, 6), task_steps=steps - last_steps)
 
     def note_compression(self, source: str, codec: Any) -> None:
         """Record compression set in code, for the one-line config log.

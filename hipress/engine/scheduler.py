@@ -150,6 +150,9 @@ class Scheduler:
         self.wait_timeout_s = wait_timeout_s
         self.tasks: Set[_Task] = set()
         self.bytes_sent = 0
+        #: task-graph steps run so far (each resumption of a task coroutine): what SeCoPa's
+        #: cost model charges ``step_overhead_s`` for
+        self.task_steps = 0
         self._reqs: List[Any] = []
         self._req_ops: List[_Op] = []
         self._computed: Deque[_Op] = collections.deque()
@@ -247,6 +250,7 @@ class Scheduler:
     def _advance(self, task: _Task, value: Any) -> None:
         """Resume ``task`` with ``value`` until it yields primitives that are not done."""
         while True:
+            self.task_steps += 1
             try:
                 req = task.gen.send(value)
             except StopIteration:

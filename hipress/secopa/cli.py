@@ -141,11 +141,24 @@ def _refit(args: argparse.Namespace) -> int:
                           "compute costs the timeline rescales (make one with `hipress "
                           "profile` under hipressrun)")
     prof, report = refit_from_timeline(Profile.load(args.profile), args.from_timeline)
+    step = report.pop("engine/step", None)
+    share = report.pop("engine/cpu-share", None)
     print(f"SeCoPa refit of {args.profile} from {args.from_timeline}: measured / predicted "
-          "time per span (median scales the fits)")
+          "CPU time per span (median scales the fits)")
     print(f"  {'codec/primitive':<28}{'spans':>7}{'p20':>8}{'median':>8}{'p80':>8}")
     for key, r in report.items():
         print(f"  {key:<28}{r['spans']:>7}{r['p20']:>8.2f}{r['factor']:>8.2f}{r['p80']:>8.2f}")
+    if step is None:
+        print("  engine CPU per task step: not in the timeline (written by an older "
+              f"HiPress); kept at {prof.step_overhead_s * 1e3:.3f} ms")
+    else:
+        print(f"  engine CPU per task step: {step['step_overhead_s'] * 1e3:.3f} ms (profiled "
+              f"{step['profiled_s'] * 1e3:.3f} ms), over {int(step['steps'])} steps outside "
+              "codec work")
+    if share is not None:
+        print(f"  share of a core for the engine's work: {share['backward']:.2f} during the "
+              f"backward pass ({int(share['spans_backward'])} spans), {share['tail']:.2f} "
+              f"after it ({int(share['spans_tail'])} spans)")
     print(f"  negotiation round interval (median, rank 0): {prof.round_s * 1e3:.2f} ms")
     prof.save(args.output)
     print(f"wrote {args.output}")

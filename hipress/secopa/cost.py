@@ -128,13 +128,13 @@ def engine_paths(codec: Optional[Codec], strategy: str) -> Tuple[str, ...]:
     return ("ps", "ring", "allreduce") if codec.summable else ("ps", "ring")
 
 
-def _line(fit: Optional[Fit]) -> Optional[Callable[[float], float]]:
-    """Return ``fit`` as a plain function of bytes (the planner calls it ~10^5 times)."""
+def _line(fit: Optional[Fit], k: float = 1.0) -> Optional[Callable[[float], float]]:
+    """Return ``k * fit`` as a plain function of bytes (the planner calls it ~10^5 times)."""
     if fit is None:
         return None
-    a, b, floor = float(fit.a), float(fit.b), float(fit.floor)
+    a, b, floor = k * float(fit.a), k * float(fit.b), k * float(fit.floor)
     if fit.b2 is not None:
-        a2, b2 = float(fit.a2), float(fit.b2)
+        a2, b2 = k * float(fit.a2), k * float(fit.b2)
 
         def f2(x: float) -> float:
             v = max(a + b * x, a2 + b2 * x)
@@ -158,6 +158,12 @@ class CostModel:
             :meth:`Profile.comm_at`).
         fusion_bytes: the engine's fused-buffer size (``sync.fusion_threshold_bytes``).
 
+    Compute costs (codec fits, ``ef``, ``write``, ``step_overhead_s``) are the profile's
+    CPU costs times :attr:`contention`, ``1 / profile.cpu_share_backward``: what the
+    engine's work takes while the backward pass holds the cores (1 for a profile taken
+    alone; a refit from a job's timeline measures the share). The pipeline simulation
+    divides it out again where the backward pass has ended.
+
     Raises:
         ProfileError: N > 1 and the profile has no communication measurements.
     """
@@ -169,7 +175,9 @@ class CostModel:
         self.profile = profile
         self.N = int(world_size)
         self.comm = profile.comm_at(self.N)
-        self.s = float(profile.step_overhead_s)
+        #: wall seconds per CPU second of engine work during the backward pass
+        self.contention = 1.0 / float(profile.cpu_share_backward)
+        self.s = float(profile.step_overhead_s) * self.contention
         self.fusion_bytes = max(int(fusion_bytes), 1)
         self._cp: Dict[int, CodecProfile] = {}
         self._fns: Dict[int, Tuple[Any, ...]] = {}
@@ -179,8 +187,8 @@ class CostModel:
         c = self.comm
         self._G, self._B, self._A = _line(c.ps_gather), _line(c.ps_bcast), _line(c.allgather)
         self._R, self._AR = _line(c.ring_step), _line(c.allreduce)
-        self._ef = _line(profile.ef)
-        self._wr = _line(profile.write)
+        self._ef = _line(profile.ef, self.contention)
+        self._wr = _line(profile.write, self.contention)
 
     # ------------------------------------------------------------------ helpers
     def codec_profile(self, codec: Codec) -> CodecProfile:
@@ -195,8 +203,10 @@ class CostModel:
         got = self._fns.get(id(codec))
         if got is None:
             cp = self.codec_profile(codec)
-            got = self._fns[id(codec)] = (_line(cp.encode), _line(cp.decode), _line(cp.merge),
-                                          _line(cp.stages), max(cp.n_stages, 1))
+            k = self.contention
+            got = self._fns[id(codec)] = (_line(cp.encode, k), _line(cp.decode, k),
+                                          _line(cp.merge, k), _line(cp.stages, k),
+                                          max(cp.n_stages, 1))
         return got
 
     def payload(self, codec: Codec, m: int) -> int:

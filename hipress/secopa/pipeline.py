@@ -23,7 +23,11 @@ the **exposed** sync time. This module simulates that, event by event:
 - one compute server (the engine thread, ``sync.compute_threads`` = 0, or its one pool
   thread) and one
   network server per rank, each serving jobs first come, first served in order of the
-  time they become ready.
+  time they become ready;
+- the compute server gets a share of a core: ``Profile.cpu_share_backward`` while the
+  backward pass runs (the cost model's compute costs are already stretched by it) and
+  ``Profile.cpu_share_tail`` for work that starts after the last arrival (both 1 in a
+  measured profile; a refit from a job's timeline measures them).
 
 The simulation is deterministic and takes microseconds per gradient, so the planner can
 score whole plans with it.
@@ -137,9 +141,14 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
     free = {"cpu": 0.0, "net": 0.0}
     busy = {"cpu": 0.0, "net": 0.0}
     finish: Dict[str, float] = {}
+    # the model's compute costs are stretched for the backward pass (CostModel.contention);
+    # work that starts after it runs at the tail's share of a core instead
+    tail = model.contention * float(getattr(model.profile, "cpu_share_tail", 1.0) or 1.0)
     while heap:
         ready, _, res, dur, rest, name = heapq.heappop(heap)
         start = max(ready, free[res])
+        if res == "cpu" and start >= backward:
+            dur = dur / tail
         end = start + dur
         free[res] = end
         busy[res] += dur

@@ -61,6 +61,12 @@ about 0.1-2 s per codec family on a loaded two-core machine, recorded as ``warmu
 a profile thus takes warm-up + budget + well under a second (overruns of the last size of
 a series, the final broadcast).
 
+A job's timeline refines a measured profile (:func:`refit_from_timeline`, ``hipress profile
+--from-timeline``): the codecs' CPU time in training, the engine's CPU per task step
+(polling, message progress, the task graphs' Python: far more than the no-op chain shows),
+and the share of a core its work got during and after the backward pass
+(``cpu_share_backward``, ``cpu_share_tail``; 1 in a measured profile).
+
 All ranks call :func:`run_profile` (collective). Every rank measures at the same time (so
 contention for shared cores or links is what the engine sees), rank 0 combines the
 ranks' numbers (median over ranks for compute, max over ranks for each communication
@@ -70,6 +76,7 @@ profile: every rank holds the identical profile, so plans made from it agree acr
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import datetime
 import json
@@ -256,6 +263,12 @@ class Profile(BaseModel):
         round_s: the interval between the engine's negotiation rounds, seconds: how long
             a gradient waits after it is ready before work on it starts (from a job's
             timeline; 0 when unknown, as in a measured profile).
+        cpu_share_backward: the share of a core the engine's work gets while the backward
+            pass runs, in (0, 1]: CPU seconds per wall second of its work spans in a job's
+            timeline (1 in a measured profile: the engine alone). Four ranks on two cores
+            measured about 0.25.
+        cpu_share_tail: the same after the backward pass has ended (the ranks' engines
+            then share the cores only with each other).
     """
 
     model_config = _STRICT
@@ -276,6 +289,8 @@ class Profile(BaseModel):
     loaded: bool = False
     source: str = "measured"
     round_s: float = Field(0.0, ge=0)
+    cpu_share_backward: float = Field(1.0, gt=0, le=1)
+    cpu_share_tail: float = Field(1.0, gt=0, le=1)
 
     # ------------------------------------------------------------------ files
     @classmethod
@@ -999,6 +1014,101 @@ def run_profile(
 #: timeline spans the refit reads, and the profile primitive each one measures
 _SPAN_OPS = {"encode": "encode", "decode": "decode", "decode+merge": "merge",
              "merge+encode": "merge"}
+#: timeline spans of work on the engine's thread or pool (codec kernels, sums, stages):
+#: what the cost model charges as primitives, apart from its per-step overhead
+_WORK_SPANS = frozenset(_SPAN_OPS) | {"merge", "stage"}
+
+
+def fit_step_overhead(events: Sequence[Dict[str, Any]]) -> Optional[Dict[str, float]]:
+    """Return the engine's CPU cost per task step measured in a job, or None if unknown.
+
+    Reads the ``engine-cpu`` events (one per training step and rank: the engine's CPU
+    seconds and task steps since the previous step) and the work spans' ``cpu_us``
+    (codec kernels, sums: :data:`_WORK_SPANS`). Each rank's first step is left out (it
+    includes start-up and kernel compilation), and so are the spans before its end. The
+    engine's CPU not spent in work spans, per task step, is its overhead: polling,
+    message progress, negotiation and the task graphs' own Python.
+
+    Returns:
+        ``{"steps": task steps, "cpu_s": engine CPU, "work_cpu_s": of it in work spans,
+        "step_overhead_s": the rest per task step}`` (seconds of CPU), or None when the
+        timeline has no usable ``engine-cpu`` events (written by an older HiPress, or one
+        step per rank).
+    """
+    marks: Dict[Any, List[Tuple[float, float, int]]] = {}
+    for ev in events:
+        if ev.get("name") == "engine-cpu":
+            a = ev.get("args") or {}
+            marks.setdefault(ev.get("pid", 0), []).append(
+                (float(ev.get("ts", 0.0)), float(a.get("cpu_s", 0.0)),
+                 int(a.get("task_steps", 0))))
+    window: Dict[Any, Tuple[float, float]] = {}
+    cpu = 0.0
+    steps = 0
+    for pid, ms in marks.items():
+        ms.sort()
+        if len(ms) < 2:
+            continue
+        window[pid] = (ms[0][0], ms[-1][0])
+        for _, c, n in ms[1:]:
+            if c >= 0 and n >= 0:  # a pool thread that ended makes a negative delta
+                cpu += c
+                steps += n
+    if steps <= 0:
+        return None
+    work_cpu = 0.0
+    for ev in events:
+        pid, a = ev.get("pid", 0), ev.get("args") or {}
+        if ev.get("name") in _WORK_SPANS and pid in window and "cpu_us" in a and (
+                window[pid][0] <= float(ev.get("ts", 0.0)) <= window[pid][1]):
+            work_cpu += float(a["cpu_us"]) * 1e-6
+    return {"steps": float(steps), "cpu_s": cpu, "work_cpu_s": work_cpu,
+            "step_overhead_s": max(cpu - work_cpu, 0.0) / steps}
+
+
+def fit_cpu_shares(events: Sequence[Dict[str, Any]]) -> Optional[Dict[str, float]]:
+    """Return the share of a core the engine's work got during and after the backward pass.
+
+    A work span (:data:`_WORK_SPANS`, with its ``cpu_us``) belongs to the step of the
+    rank's latest ``submit`` event at or before it; it ran during the backward pass if it
+    started before that step's last submission on that rank. Each share is the spans' CPU
+    time over their wall time (capped at 1).
+
+    Returns:
+        ``{"backward": share, "tail": share, "spans_backward": n, "spans_tail": n}``, a
+        share 1.0 where no span was seen; None when no span has ``cpu_us`` (a timeline
+        of an older HiPress).
+    """
+    submits: Dict[Any, List[Tuple[float, int]]] = {}
+    last: Dict[Tuple[Any, int], float] = {}
+    for ev in events:
+        if ev.get("name") == "submit":
+            pid, ts = ev.get("pid", 0), float(ev.get("ts", 0.0))
+            step = int((ev.get("args") or {}).get("step", 0))
+            submits.setdefault(pid, []).append((ts, step))
+            last[pid, step] = max(last.get((pid, step), ts), ts)
+    for lst in submits.values():
+        lst.sort()
+    sums = {"backward": [0.0, 0.0, 0], "tail": [0.0, 0.0, 0]}
+    for ev in events:
+        a = ev.get("args") or {}
+        if ev.get("name") not in _WORK_SPANS or "cpu_us" not in a:
+            continue
+        pid, ts = ev.get("pid", 0), float(ev.get("ts", 0.0))
+        lst = submits.get(pid, [])
+        i = bisect.bisect_right(lst, (ts, float("inf"))) - 1
+        during = i >= 0 and ts < last[pid, lst[i][1]]
+        acc = sums["backward" if during else "tail"]
+        acc[0] += float(a["cpu_us"])
+        acc[1] += float(ev.get("dur", 0.0))
+        acc[2] += 1
+    if not sums["backward"][2] and not sums["tail"][2]:
+        return None
+    out: Dict[str, float] = {}
+    for key, (c, w, n) in sums.items():
+        out[key] = min(c / w, 1.0) if n and c > 0 and w > 0 else 1.0
+        out[f"spans_{key}"] = float(n)
+    return out
 
 
 def trace_events(trace: Any) -> List[Dict[str, Any]]:
@@ -1032,18 +1142,25 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
 
     A profile is measured on its own, while in training the codecs share the cores with the
     backward pass and with the other ranks on the host: on this project's two-core machines
-    they ran 2-2.5x slower there. This reads the job's ``encode``, ``decode``,
+    they ran 2-4x slower there. This reads the job's ``encode``, ``decode``,
     ``decode+merge`` and ``merge+encode`` spans (a timeline written with ``timeline:
-    trace.json``), divides each span's duration by what ``profile`` predicts for it (encode:
+    trace.json``), divides each span's CPU time (its ``cpu_us``; its duration in timelines
+    of older versions) by what ``profile`` predicts for it (encode:
     ``encode`` plus, with error feedback, ``decode`` and ``ef``; decode: ``decode`` +
     ``write``; decode+merge of P payloads: P ``merge``; the aggregator's fused
     ``merge+encode`` of P payloads: P ``merge`` and an encode, its ratio counted for
     ``merge``), and scales each codec's fits by the median of those ratios
     (:meth:`Fit.scaled`: the per-byte slopes, which dominate large gradients), ``ef`` and
     ``write`` by the encode and decode factors of the codec seen most. ``round_s`` becomes
-    the median interval between the timeline's negotiation rounds (rank 0's). Message costs
-    are kept (the timeline's waits include time spent waiting for other ranks, not only the
-    wire).
+    the median interval between the timeline's negotiation rounds (rank 0's),
+    ``step_overhead_s`` the engine's measured CPU per task step (:func:`fit_step_overhead`,
+    from the ``engine-cpu`` events a timeline of this version has: polling, message
+    progress and the task graphs' Python, which a profile's short chain of no-op steps
+    does not see), and ``cpu_share_backward`` / ``cpu_share_tail`` the share of a core the
+    engine's work got during and after the backward pass (:func:`fit_cpu_shares`): the
+    cost model stretches compute by the first, the pipeline simulation by each in its
+    phase. Message costs are kept (the timeline's waits include time spent waiting for
+    other ranks, not only the wire).
 
     Args:
         profile: the measured profile to start from.
@@ -1053,7 +1170,10 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
 
     Returns:
         ``(refitted profile, report)``, the report per ``codec/primitive``:
-        ``{"spans": count, "factor": median ratio, "p20": ..., "p80": ...}``.
+        ``{"spans": count, "factor": median ratio, "p20": ..., "p80": ...}``; when
+        measured, under ``engine/step`` :func:`fit_step_overhead`'s figures plus
+        ``profiled_s`` (the profile's own ``step_overhead_s``), and under
+        ``engine/cpu-share`` :func:`fit_cpu_shares`'.
 
     Raises:
         ProfileError: the timeline cannot be read, or has no codec spans this profile
@@ -1089,7 +1209,9 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
             if ev.get("name") == "merge+encode":  # a fused pass: the re-encode too
                 pred += cp.encode(x) + (cp.decode(x) + profile.ef(x)
                                         if args.get("feedback") else 0.0)
-        dur = float(ev.get("dur", 0.0)) * 1e-6
+        # the span's CPU time where recorded: what the kernels cost; the wall time a
+        # shared core stretches it to is the cpu_share_* below
+        dur = float(args["cpu_us"] if "cpu_us" in args else ev.get("dur", 0.0)) * 1e-6
         if pred > 0 and dur > 0:
             ratios.setdefault((str(name), op), []).append(dur / pred)
     if not ratios:
@@ -1121,4 +1243,13 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
         upd_prof["write"] = profile.write.scaled(factor[main, "decode"])
     if len(rounds) >= 2:
         upd_prof["round_s"] = float(np.median(np.diff(rounds))) * 1e-6
+    overhead = fit_step_overhead(events)
+    if overhead is not None:
+        upd_prof["step_overhead_s"] = overhead["step_overhead_s"]
+        report["engine/step"] = dict(overhead, profiled_s=profile.step_overhead_s)
+    shares = fit_cpu_shares(events)
+    if shares is not None:
+        upd_prof["cpu_share_backward"] = shares["backward"]
+        upd_prof["cpu_share_tail"] = shares["tail"]
+        report["engine/cpu-share"] = shares
     return profile.model_copy(update=upd_prof), report

@@ -435,6 +435,9 @@ def timeline_and_stats():
     hp.allreduce(g, "tl.onebit", codec="onebit", strategy="ps")
     for h in hp.grouped_allreduce_async([g[:10], g[10:20]], ["tl.g0", "tl.g1"]):
         hp.synchronize(h)
+    hp.step()  # one engine-cpu event per step: start-up, then the second step's own
+    hp.allreduce(g, "tl.onebit", codec="onebit", strategy="ps")
+    hp.step()
     st = hp.stats()["tl.onebit"]
     assert st["codec"] == "onebit" and st["strategy"] == "ps"
     assert st["compression_ratio"] > 20, st
