@@ -12,12 +12,18 @@ and codec:
 4. train with ``compress_everything`` (``compression.min_compress_bytes: 0``),
    ``compress_nothing`` (``--codec none``) and ``plan`` (``sync.plan: <the file>``), each
    with a timeline;
-5. for each policy: the **measured** exposed sync time per step (from the timeline: the
+5. with ``--repeats R``, R - 1 more rounds of all four policies, interleaved, so that a
+   drift of the machine's speed hits every policy alike;
+6. for each policy: the **measured** exposed sync time per step (from the timeline: the
    last completion minus the last arrival, a gradient arriving when its last rank
-   submits it; median over the timed steps) and step
-   time (the workers' median), against the exposed time **predicted** by
-   :func:`hipress.secopa.pipeline.simulate` from the refitted profile, the policy's own
-   choices and the arrival times of that job's median step.
+   submits it; median over the timed steps) and step time (the workers' median; both
+   the median over the policy's runs), against the **predicted** exposed time and delay
+   of :func:`hipress.secopa.pipeline.simulate` (exposed time plus the CPU the
+   synchronization takes from the backward pass) from the refitted profile, the
+   policy's own choices and the arrival times of that job's median step. The predicted
+   step time is a compute floor plus the predicted delay; the floor is calibrated once,
+   on the ``threshold`` policy (its measured step less its predicted delay), so that
+   row's step prediction is exact by construction and the others are predictions.
 
 Usage (root, for the network namespaces)::
 
@@ -60,6 +66,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the four policies (interleaved); medians over rounds")
     p.add_argument("--profile-budget", type=float, default=40.0)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--job-timeout", type=float, default=900.0)
@@ -195,12 +203,13 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         print(f"profile failed (exit {rc}); see {out / 'jobs'}", file=sys.stderr)
         return 1
 
-    def train(policy: str, env: Dict[str, str], codec: str) -> Dict[str, Any]:
-        trace = work / f"{policy}.trace.json"
-        prefix = work / f"{policy}"
-        for old in [trace, *work.glob(f"{policy}.rank*.json")]:
+    def train(policy: str, env: Dict[str, str], codec: str, rnd: int = 0) -> Dict[str, Any]:
+        name = policy if rnd == 0 else f"{policy}.r{rnd}"
+        trace = work / f"{name}.trace.json"
+        prefix = work / f"{name}"
+        for old in [trace, *work.glob(f"{name}.rank*.json")]:
             old.unlink(missing_ok=True)
-        rc = runner.run(f"{tag}-{policy}", [
+        rc = runner.run(f"{tag}-{name}", [
             py, str(ROOT / "bench" / "train_e2e_worker.py"), "--system", "hipress", "--model",
             args.model, "--batch-size", str(args.batch_size), "--image-size",
             str(args.image_size), "--warmup", str(args.warmup), "--iters", str(args.iters),
@@ -209,31 +218,34 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts)}
 
     grads = load_gradients(args.model)
-    jobs: Dict[str, Dict[str, Any]] = {}
-    jobs["threshold"] = train("threshold", {}, args.codec)
-    if jobs["threshold"]["rc"] or not jobs["threshold"]["trace"].exists():
+    jobs: Dict[str, List[Dict[str, Any]]] = {}
+    jobs["threshold"] = [train("threshold", {}, args.codec)]
+    if jobs["threshold"][0]["rc"] or not jobs["threshold"][0]["trace"].exists():
         print("the threshold job failed; nothing to refit from", file=sys.stderr)
         return 1
-    refit, report = refit_from_timeline(Profile.load(prof_path), str(jobs["threshold"]["trace"]))
+    refit, report = refit_from_timeline(Profile.load(prof_path),
+                                        str(jobs["threshold"][0]["trace"]))
     refit_path = work / "profile.refit.json"
     refit.save(refit_path)
     plan_path = work / "plan.json"
     subprocess.run([hp_cli, "plan", "--profile", str(refit_path), "--gradients", args.model,
                     "--strategy", args.strategy, "--world-size", str(args.hosts), "--codec",
-                    args.codec, "--timeline", str(jobs["threshold"]["trace"]),
+                    args.codec, "--timeline", str(jobs["threshold"][0]["trace"]),
                     "--skip-steps", str(args.warmup), "-o", str(plan_path)], check=True)
     everything = {"compression": {"min_compress_bytes": 0}}
     everything_cfg = work / "everything.yaml"
     everything_cfg.write_text(json.dumps(everything))  # YAML reads JSON
     plan_cfg = work / "plan.yaml"
     plan_cfg.write_text(f"sync:\n  plan: {json.dumps(str(plan_path))}\n")
-    if "compress_everything" in policies:
-        jobs["compress_everything"] = train("compress_everything",
-                                            {"HIPRESS_CONFIG": str(everything_cfg)}, args.codec)
-    if "compress_nothing" in policies:
-        jobs["compress_nothing"] = train("compress_nothing", {}, "none")
-    if "plan" in policies:
-        jobs["plan"] = train("plan", {"HIPRESS_CONFIG": str(plan_cfg)}, args.codec)
+    how = {"threshold": ({}, args.codec),
+           "compress_everything": ({"HIPRESS_CONFIG": str(everything_cfg)}, args.codec),
+           "compress_nothing": ({}, "none"),
+           "plan": ({"HIPRESS_CONFIG": str(plan_cfg)}, args.codec)}
+    for rnd in range(max(args.repeats, 1)):
+        for policy in ("compress_everything", "compress_nothing", "plan", "threshold"):
+            if policy in policies and not (policy == "threshold" and rnd == 0):
+                env, codec_name = how[policy]
+                jobs.setdefault(policy, []).append(train(policy, env, codec_name, rnd))
 
     codec = get_codec(args.codec)
     model = CostModel(refit, args.hosts)
@@ -246,25 +258,38 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
                  for g in plan_file.gradients},
     }
     rows = []
-    for policy, job in jobs.items():
-        row: Dict[str, Any] = {"policy": policy, "rc": job["rc"], "step_s": job["step_s"]}
-        if job["trace"].exists():
-            m = measured(job["trace"], args.warmup)
-            sim = simulate(model, m["arrivals"], choices[policy], codec, True)
-            row.update(measured_exposed_s=m["exposed_s"], backward_s=m["backward_s"],
-                       exposed_all_s=m["exposed_all_s"], predicted_exposed_s=sim.exposed_s,
-                       predicted_step_s=(job["step_s"] - m["exposed_s"] + sim.exposed_s)
-                       if job["step_s"] else None,
+    for policy, runs in jobs.items():
+        ok = [j for j in runs if j["rc"] == 0 and j["step_s"] and j["trace"].exists()]
+        row: Dict[str, Any] = {"policy": policy, "rc": max(j["rc"] for j in runs),
+                               "runs": len(runs), "step_s": None,
+                               "step_s_runs": [j["step_s"] for j in runs]}
+        if ok:
+            ms = [measured(j["trace"], args.warmup) for j in ok]
+            sims = [simulate(model, m["arrivals"], choices[policy], codec, True) for m in ms]
+            row.update(step_s=statistics.median(j["step_s"] for j in ok),
+                       measured_exposed_s=statistics.median(m["exposed_s"] for m in ms),
+                       backward_s=statistics.median(m["backward_s"] for m in ms),
+                       exposed_all_s=[x for m in ms for x in m["exposed_all_s"]],
+                       predicted_exposed_s=statistics.median(s.exposed_s for s in sims),
+                       predicted_delay_s=statistics.median(s.delay_s for s in sims),
                        compressed=sum(c.compress for c in choices[policy].values()))
         rows.append(row)
+    calib = next((r for r in rows if r["policy"] == "threshold" and r["step_s"]), None)
+    floor = calib["step_s"] - calib["predicted_delay_s"] if calib else None
+    for r in rows:
+        if floor is not None and r["step_s"]:
+            r["predicted_step_s"] = floor + r["predicted_delay_s"]
     best_fixed = min((r["step_s"] for r in rows if r["policy"] != "plan" and r["step_s"]),
                      default=None)
     meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
             "rate": "local" if runner.hosts is None else args.rate, "hosts": args.hosts,
             "batch_size": args.batch_size, "image_size": args.image_size,
-            "warmup": args.warmup, "iters": args.iters, "load_start": load_start,
+            "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
+            "load_start": load_start, "compute_floor_s": floor,
+            "wire_cpu_ns_per_byte": refit.wire_cpu_s_per_byte * 1e9,
             "load_end": loadavg(), "refit": report, "round_s": refit.round_s,
             "plan_predicted_exposed_ms": plan_file.predicted_exposed_ms,
+            "plan_predicted_delay_ms": plan_file.predicted_delay_ms,
             "argv": sys.argv[1:]}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"SeCoPa pipeline model vs training: {args.model}, {args.codec} "
@@ -274,17 +299,25 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
              + f"; round {refit.round_s * 1e3:.1f} ms; engine cost per task step "
              + (f"{report['engine/step']['step_overhead_s'] * 1e3:.3f} ms (profiled "
                 f"{report['engine/step']['profiled_s'] * 1e3:.3f} ms)"
-                if "engine/step" in report else "not measured"), "",
-             "| policy | compressed | step s | exposed s measured | exposed s predicted | "
-             "predicted / measured | step vs best fixed |", "|---|---|---|---|---|---|---|"]
+                if "engine/step" in report else "not measured")
+             + f"; wire CPU {refit.wire_cpu_s_per_byte * 1e9:.2f} ns/byte; compute floor "
+             + (f"{floor:.3f} s (threshold's step less its predicted delay)"
+                if floor is not None else "unknown")
+             + f"; {max(args.repeats, 1)} round(s), medians", "",
+             "| policy | compressed | runs | step s | step s predicted | predicted / measured "
+             "| exposed s measured | exposed s predicted | delay s predicted "
+             "| step vs best fixed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         me, pr = r.get("measured_exposed_s"), r.get("predicted_exposed_s")
-        ratio = f"{pr / me:.2f}" if me and pr is not None else "-"
+        ps = r.get("predicted_step_s")
         vs = f"{r['step_s'] / best_fixed:.2f}x" if best_fixed and r["step_s"] else "-"
-        lines.append(f"| {r['policy']} | {r.get('compressed', '-')}/{len(grads)} | "
-                     f"{r['step_s']:.3f} | {me:.3f} | {pr:.3f} | {ratio} | {vs} |"
-                     if r["step_s"] and me is not None else
-                     f"| {r['policy']} | failed (exit {r['rc']}) | | | | | |")
+        ratio = f"{ps / r['step_s']:.2f}" if ps and r["step_s"] else "-"
+        runs = ", ".join(f"{x:.3f}" if x else "failed" for x in r["step_s_runs"])
+        lines.append(f"| {r['policy']} | {r.get('compressed', '-')}/{len(grads)} | {runs} | "
+                     f"{r['step_s']:.3f} | {ps:.3f} | {ratio} | {me:.3f} | {pr:.3f} | "
+                     f"{r['predicted_delay_s']:.3f} | {vs} |"
+                     if r["step_s"] and me is not None and ps is not None else
+                     f"| {r['policy']} | failed (exit {r['rc']}) | {runs} | | | | | | | |")
     text = "\n".join(lines)
     (out / f"{tag}.md").write_text(text + "\n")
     print(text)

@@ -699,6 +699,90 @@ def test_simulation_shares_compute_and_link_and_pipelines_partitions():
         simulate(model, [("a", n, float("nan"))], {}, None)
 
 
+def test_simulation_charges_engine_work_and_the_wire_during_the_backward_pass():
+    from hipress.engine.engine import FUSION_HOLD_BYTES
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import simulate
+
+    onebit, n = CODECS["onebit"], 2_000_000
+    wired = PROFILE4.model_copy(update={"wire_cpu_s_per_byte": 1e-9})
+    model = CostModel(wired, 4)
+    c = model.compressed(onebit, n, "ps", 1, True)
+    # compressed, ready at 0, the backward pass ends at 100 s: all of its compute and
+    # its payload's wire CPU fall inside the pass; nothing is exposed
+    ch = {"a": Decision(True, 1, "ps")}
+    sim = simulate(model, [("a", n, 0.0), ("z", 1, 100.0)], ch, onebit, True)
+    assert sim.backward_cpu_s == pytest.approx(c.compute_s + 1e-9 * model.payload(onebit, n))
+    assert sim.delay_s == pytest.approx(sim.exposed_s + sim.backward_cpu_s)
+    # ready at the end of the pass: exposed, and nothing taken from the pass
+    late = simulate(model, [("a", n, 100.0)], ch, onebit, True)
+    assert late.backward_cpu_s == 0.0 and late.delay_s == late.exposed_s > 0
+    # uncompressed and big enough to leave at once: only the wire's CPU, per byte
+    m = FUSION_HOLD_BYTES // 4 * 8
+    unc = simulate(model, [("u", m, 0.0), ("z", 1, 100.0)], {}, onebit)
+    assert unc.backward_cpu_s == pytest.approx(1e-9 * 4 * m)
+    assert unc.compute_busy_s == 0.0
+    # without a wire cost (a profile of an older version) the transfer takes no CPU
+    assert simulate(CostModel(PROFILE4, 4), [("u", m, 0.0), ("z", 1, 100.0)], {},
+                    onebit).backward_cpu_s == 0.0
+
+
+def test_simulation_bulks_small_ps_gradients_of_one_round():
+    from hipress.engine.engine import BULK_MAX_BYTES
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import simulate
+
+    onebit, small = CODECS["onebit"], 1000
+    model = CostModel(PROFILE4.model_copy(update={"round_s": 0.01}), 4)
+    ps1 = Decision(True, 1, "ps")
+    sim = simulate(model, [("a", small, 0.0), ("b", small, 0.005), ("c", small, 0.5)],
+                   {"a": ps1, "b": ps1, "c": ps1}, onebit, True)
+    both = model.compressed(onebit, 2 * small, "ps", 1, True)
+    one = model.compressed(onebit, small, "ps", 1, True)
+    # a and b arrive in one round: one bulk task of their elements, started a round
+    # after the later of them; c alone
+    assert sim.finish_s["a"] == sim.finish_s["b"] == pytest.approx(
+        0.015 + both.compute_s + both.network_s)
+    assert sim.finish_s["c"] == pytest.approx(0.51 + one.compute_s + one.network_s)
+    assert sim.compute_busy_s == pytest.approx(both.compute_s + one.compute_s)
+    # Ring, two partitions, or more than BULK_MAX_BYTES: one task each, as in the engine
+    big = BULK_MAX_BYTES // 4 + 1
+    for ch, n in ((Decision(True, 1, "ring"), small), (Decision(True, 2, "ps"), small),
+                  (ps1, big)):
+        sim = simulate(model, [("a", n, 0.0), ("b", n, 0.0), ("z", 1, 9.0)],
+                       {"a": ch, "b": ch}, onebit, True)
+        c = model.compressed(onebit, n, ch.strategy, ch.partitions, True)
+        assert sim.compute_busy_s == pytest.approx(2 * c.compute_s)
+
+
+def test_plan_with_arrivals_minimizes_the_simulated_delay():
+    onebit = CODECS["onebit"]
+    big = 16_000_000
+    grads = [("early", (big,)), ("small", (1000,))]
+    # "early" arrives at the start of a 10 s backward pass, with plenty of time to cross
+    # the idle link uncompressed; "small" arrives at its end
+    arrivals = [("early", big, 0.0), ("small", 1000, 10.0)]
+    free_wire = plan(PROFILE4, grads, onebit, "ps", 4, arrivals=arrivals)
+    assert not free_wire.entry("early").compress  # encoding would only take CPU
+    d = free_wire.predicted_delay_ms
+    assert set(d) == {"plan", "compress_everything", "threshold", "compress_nothing"}
+    assert d["plan"] <= min(d.values()) + 1e-9
+    assert d["plan"] < d["compress_everything"]
+    # -v says why: alone it would be faster compressed
+    from hipress.secopa.planner import option_table
+    row = next(line for line in option_table(free_wire, PROFILE4, grads, onebit).splitlines()
+               if line.startswith("early"))
+    assert " fused " in row and "least delay" in row, row
+    # the wire's CPU makes 64 MB uncompressed cost more than encoding it
+    costly = PROFILE4.model_copy(update={"wire_cpu_s_per_byte": 2e-8})
+    wired = plan(costly, grads, onebit, "ps", 4, arrivals=arrivals)
+    assert wired.entry("early").compress
+    d = wired.predicted_delay_ms
+    assert d["plan"] <= min(d.values()) + 1e-9 and d["plan"] < d["compress_nothing"]
+    # without arrival times: the per-gradient model, no delays
+    assert plan(PROFILE4, grads, onebit, "ps", 4).predicted_delay_ms == {}
+
+
 def test_arrivals_from_timeline_and_plan_with_exposed_times(tmp_path, capsys):
     from hipress.secopa.pipeline import arrivals_from_timeline
 

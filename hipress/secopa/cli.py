@@ -95,7 +95,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--min-compress-bytes", type=int, default=65536, metavar="B",
                    help="compression.min_compress_bytes, for the threshold baseline")
     q.add_argument("--partition-bytes", type=int, default=4 * 1024 * 1024, metavar="B",
-                   help="sync.partition_bytes, for the threshold baseline")
+                   help="sync.partition_bytes, for the threshold baseline and bulk groups")
     q.add_argument("--timeline", default=None, metavar="TRACE",
                    help="a job's timeline (timeline: trace.json): simulate each policy's "
                         "exposed sync time over its gradients' arrival times (the median "

@@ -16,6 +16,11 @@ the **exposed** sync time. This module simulates that, event by event:
 - every gradient waits one negotiation round after it arrives before any work on it
   starts (``Profile.round_s``: the interval between the engine's rounds, refitted from a
   job's timeline; 0 in a measured profile);
+- compressed gradients the engine synchronizes in bulk (CaSync-PS, one partition, at most
+  :data:`~hipress.engine.engine.BULK_MAX_BYTES`) are grouped as it groups them: those
+  that arrive in the same negotiation round (a window of ``round_s``), up to
+  ``bulk_bytes`` per group; a group costs what one gradient of all their elements costs
+  (one set of steps and messages, :func:`~hipress.engine.tasks.ps_bulk_task`);
 - uncompressed gradients are held, as the engine holds them, until
   :data:`hipress.engine.engine.FUSION_HOLD_BYTES` of them are waiting or the backward
   pass ends (the rank then waits and flushes), and each release is one network job: their marginal
@@ -29,6 +34,16 @@ the **exposed** sync time. This module simulates that, event by event:
   ``Profile.cpu_share_tail`` for work that starts after the last arrival (both 1 in a
   measured profile; a refit from a job's timeline measures them).
 
+Besides the exposed time, the engine's work during the backward pass costs training
+something where the ranks share cores with compute: the CPU seconds it takes then
+(``backward_cpu_s``: the compute server's busy time before the last arrival times the
+backward share, plus the wire's CPU, ``Profile.wire_cpu_s_per_byte`` per byte
+allreduced uncompressed or per payload byte, for the part of each transfer before it)
+are taken from the backward pass, one second of delay per CPU second (the pass itself
+is not re-simulated). ``delay_s``, exposed time plus that, is what the
+iteration pays for synchronization and what the planner minimizes; on machines whose
+training leaves cores idle it overstates the cost of overlapped work.
+
 The simulation is deterministic and takes microseconds per gradient, so the planner can
 score whole plans with it.
 """
@@ -41,7 +56,7 @@ import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hipress.codecs import Codec
-from hipress.engine.engine import FUSION_HOLD_BYTES
+from hipress.engine.engine import BULK_MAX_BYTES, FUSION_HOLD_BYTES
 from hipress.engine.planning import Decision
 from hipress.secopa.cost import CostModel
 from hipress.secopa.errors import SeCoPaError
@@ -49,6 +64,8 @@ from hipress.secopa.profile import trace_events
 
 #: ("name", numel, ready seconds from the first arrival)
 Arrival = Tuple[str, int, float]
+#: ``sync.partition_bytes``' default: the engine's bound on one bulk group's bytes
+DEFAULT_BULK_BYTES = 4 << 20
 #: what happens to a gradient not in a simulation's ``choices``: sent uncompressed
 UNCOMPRESSED = Decision(False, 1, "fused")
 
@@ -61,6 +78,10 @@ class Simulation:
         backward_s: when the last gradient arrived (the end of the backward pass), s.
         end_s: when the last gradient finished synchronizing, s (from the first arrival).
         exposed_s: ``max(0, end_s - backward_s)``: the sync time training waits for.
+        backward_cpu_s: CPU seconds of engine work before ``backward_s`` (its busy wall
+            time then, times ``Profile.cpu_share_backward``) plus the wire's CPU then
+            (``Profile.wire_cpu_s_per_byte``, spread over each transfer): what
+            synchronization takes from the backward pass.
         compute_busy_s: time the compute server worked.
         network_busy_s: time the network server worked.
         finish_s: per gradient name, its finish time.
@@ -69,13 +90,20 @@ class Simulation:
     backward_s: float
     end_s: float
     exposed_s: float
+    backward_cpu_s: float
     compute_busy_s: float
     network_busy_s: float
     finish_s: Dict[str, float]
 
+    @property
+    def delay_s(self) -> float:
+        """Seconds synchronization adds to the iteration: exposed plus ``backward_cpu_s``."""
+        return self.exposed_s + self.backward_cpu_s
+
 
 def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, Decision],
-             codec: Optional[Codec], feedback: bool = False) -> Simulation:
+             codec: Optional[Codec], feedback: bool = False,
+             bulk_bytes: int = DEFAULT_BULK_BYTES) -> Simulation:
     """Simulate one iteration's synchronization (see the module docstring).
 
     Args:
@@ -86,6 +114,8 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
             path as ``strategy``); missing names go uncompressed.
         codec: the codec of the compressed choices.
         feedback: residual error feedback on (the encode step's cost includes it).
+        bulk_bytes: the engine's ``sync.partition_bytes``: the most float32 bytes of one
+            bulk group.
 
     Returns:
         The :class:`Simulation`.
@@ -94,9 +124,11 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         SeCoPaError: a compressed choice without a codec, or a ready time that is
             negative or not finite.
     """
-    # (ready, order, resource, duration, the phases after this one, gradient)
-    heap: List[Tuple[float, int, str, float, Tuple[Tuple[str, float], ...], str]] = []
+    # (ready, order, resource, duration, the phases after this one, gradient, wire CPU s)
+    heap: List[Tuple[float, int, str, float, Tuple[Tuple[str, float, float], ...], str,
+                     float]] = []
     seq = 0
+    wire = float(getattr(model.profile, "wire_cpu_s_per_byte", 0.0) or 0.0)
     lag = float(getattr(model.profile, "round_s", 0.0) or 0.0)
     backward = 0.0
     for name, _, ready in arrivals:
@@ -108,12 +140,31 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
     #: job label of each fused buffer -> the gradients it carries
     fused: Dict[str, List[str]] = {}
 
+    #: job label of each bulk group -> the gradients it carries
+    bulked: Dict[str, List[str]] = {}
+    #: per negotiation round, its bulk groups: [names, elements, latest start]
+    rounds: Dict[float, List[List[Any]]] = {}
+
+    def push_compressed(label: str, numel: int, strategy: str, partitions: int,
+                        start: float) -> None:
+        nonlocal seq
+        cost = model.compressed(codec, numel, strategy, partitions, feedback)
+        k = max(1, cost.partitions)
+        half = cost.compute_s / (2 * k)
+        net = cost.network_s / k
+        net_cpu = wire * model.payload(codec, numel) / k
+        for _ in range(k):
+            heap.append((start, seq, "cpu", half,
+                         (("net", net, net_cpu), ("cpu", half, 0.0)), label, 0.0))
+            seq += 1
+
     def release(at: float) -> None:
         nonlocal seq, held, held_bytes, held_s
         if held and model.N > 1:
             label = f"<fused {len(fused)}>"
             fused[label] = held
-            heap.append((at, seq, "net", held_s + model.fused_fixed(), (), label))
+            heap.append((at, seq, "net", held_s + model.fused_fixed(), (), label,
+                         wire * held_bytes))
             seq += 1
         held, held_bytes, held_s = [], 0.0, 0.0
 
@@ -123,13 +174,16 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         if ch.compress and int(numel) >= 1:
             if codec is None:
                 raise SeCoPaError(f"gradient {name!r} is compressed but no codec was given")
-            cost = model.compressed(codec, int(numel), ch.strategy, ch.partitions, feedback)
-            k = max(1, cost.partitions)
-            half = cost.compute_s / (2 * k)
-            net = cost.network_s / k
-            for _ in range(k):
-                heap.append((start, seq, "cpu", half, (("net", net), ("cpu", half)), name))
-                seq += 1
+            if (ch.strategy == "ps" and ch.partitions <= 1 and model.N > 1
+                    and 4 * int(numel) <= BULK_MAX_BYTES):
+                groups = rounds.setdefault(math.floor(ready / lag) if lag > 0 else ready, [])
+                if not groups or 4 * (groups[-1][1] + int(numel)) > bulk_bytes:
+                    groups.append([[], 0, 0.0])
+                groups[-1][0].append(name)
+                groups[-1][1] += int(numel)
+                groups[-1][2] = max(groups[-1][2], start)
+                continue
+            push_compressed(name, int(numel), ch.strategy, ch.partitions, start)
         else:
             held.append(name)
             held_bytes += 4.0 * int(numel)
@@ -137,32 +191,46 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
             if held_bytes >= FUSION_HOLD_BYTES:
                 release(start)
     release(backward + lag)  # the rank waits for its results: the flush
+    for groups in rounds.values():
+        for names, numel, start in groups:
+            label = names[0] if len(names) == 1 else f"<bulk {len(bulked)}>"
+            if len(names) > 1:
+                bulked[label] = names
+            push_compressed(label, numel, "ps", 1, start)
     heapq.heapify(heap)
     free = {"cpu": 0.0, "net": 0.0}
     busy = {"cpu": 0.0, "net": 0.0}
+    busy_backward = 0.0
     finish: Dict[str, float] = {}
     # the model's compute costs are stretched for the backward pass (CostModel.contention);
     # work that starts after it runs at the tail's share of a core instead
     tail = model.contention * float(getattr(model.profile, "cpu_share_tail", 1.0) or 1.0)
+    wire_backward = 0.0
     while heap:
-        ready, _, res, dur, rest, name = heapq.heappop(heap)
+        ready, _, res, dur, rest, name, cpu = heapq.heappop(heap)
         start = max(ready, free[res])
         if res == "cpu" and start >= backward:
             dur = dur / tail
         end = start + dur
         free[res] = end
         busy[res] += dur
+        if start < backward:
+            if res == "cpu":
+                busy_backward += min(end, backward) - start
+            elif cpu > 0:  # the wire's CPU, spread evenly over the transfer
+                wire_backward += cpu * (min(end, backward) - start) / dur if dur > 0 else cpu
         if rest:
-            nxt_res, nxt_dur = rest[0]
-            heapq.heappush(heap, (end, seq, nxt_res, nxt_dur, rest[1:], name))
+            nxt_res, nxt_dur, nxt_cpu = rest[0]
+            heapq.heappush(heap, (end, seq, nxt_res, nxt_dur, rest[1:], name, nxt_cpu))
             seq += 1
-        elif name in fused:
-            for g in fused[name]:
-                finish[g] = end
+        elif name in fused or name in bulked:
+            for g in fused.get(name) or bulked[name]:
+                finish[g] = max(finish.get(g, 0.0), end)
         else:
             finish[name] = max(finish.get(name, 0.0), end)
     end_s = max(finish.values(), default=backward)
     return Simulation(backward_s=backward, end_s=end_s, exposed_s=max(0.0, end_s - backward),
+                      backward_cpu_s=busy_backward / model.contention + wire_backward,
                       compute_busy_s=busy["cpu"], network_busy_s=busy["net"], finish_s=finish)
 
 

@@ -24,6 +24,16 @@ compares with the best all-compressed plan and keeps the cheaper, which makes th
 exact minimum of the model over every combination of per-gradient options. :func:`decide`
 (one gradient at a time, used at run time) treats the shared fixed cost as already paid.
 
+Given the gradients' arrival times over a backward pass (``hipress plan --timeline``), the
+per-gradient sum is only a starting point: gradients overlap with each other and with
+the backward pass, so the plan becomes the one with the least simulated delay per
+iteration (:func:`hipress.secopa.pipeline.simulate`, exposed sync time plus the engine's
+CPU taken from the backward pass): the best of the per-gradient optimum,
+compress-everything, the ``threshold`` policy and compress-nothing, improved by a local
+search over each gradient's options (uncompressed, the cheapest few compressed ones,
+about half and twice their partitions), largest gradients first. It is never predicted
+slower than those starting points.
+
 Baselines predicted alongside (same model): ``compress_everything`` (every gradient with
 an element compressed, best path and K each), ``compress_nothing`` and ``threshold`` (the
 engine's default policy: compress gradients of at least ``min_compress_bytes`` bytes, in
@@ -35,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
 
 from pydantic import (
     BaseModel,
@@ -50,7 +60,7 @@ from hipress.codecs import Codec
 from hipress.engine.planning import Decision
 from hipress.secopa.cost import DEFAULT_FUSION_BYTES, Cost, CostModel, engine_paths
 from hipress.secopa.errors import PlanError, SeCoPaError, format_validation_error
-from hipress.secopa.pipeline import UNCOMPRESSED, simulate
+from hipress.secopa.pipeline import UNCOMPRESSED, Simulation, simulate
 from hipress.secopa.profile import Profile
 
 PLAN_VERSION = 1
@@ -121,6 +131,10 @@ class Plan(BaseModel):
         predicted_exposed_ms: the same policies' exposed sync time per iteration, from
             :func:`hipress.secopa.pipeline.simulate` over the gradients' arrival times
             (empty when the plan was made without them).
+        predicted_delay_ms: the same simulations' delay per iteration (exposed time plus
+            the engine's CPU during the backward pass,
+            :attr:`~hipress.secopa.pipeline.Simulation.delay_s`): what the plan minimizes
+            when arrival times are known.
         gradients: one :class:`PlanEntry` per gradient, names unique.
     """
 
@@ -136,6 +150,7 @@ class Plan(BaseModel):
     profile: Dict[str, Any] = Field(default_factory=dict)
     predicted_ms: Dict[str, float] = Field(default_factory=dict)
     predicted_exposed_ms: Dict[str, float] = Field(default_factory=dict)
+    predicted_delay_ms: Dict[str, float] = Field(default_factory=dict)
     gradients: List[PlanEntry]
     _index: Optional[Dict[str, PlanEntry]] = PrivateAttr(default=None)
 
@@ -289,6 +304,64 @@ def _best(opts: Sequence[Tuple[bool, Cost]]) -> Tuple[bool, Cost]:
     return best
 
 
+#: compressed options per gradient the pipeline search tries: the cheapest by the
+#: per-gradient model, then those with half and twice its partitions
+_SEARCH_KEEP = 3
+
+
+def _near_best(opts: Sequence[Tuple[bool, Cost]]) -> List[Tuple[bool, Cost]]:
+    """Return a few compressed options for the pipeline search (see :data:`_SEARCH_KEEP`).
+
+    The cheapest ``_SEARCH_KEEP`` by the per-gradient model (one per path and K), and the
+    options of the best one's path with about half and twice its K: fewer partitions put
+    less on the engine while the backward pass runs, more pipeline better after it.
+    """
+    if not opts:
+        return []
+    ranked = sorted(opts, key=lambda o: o[1].total_s)
+    out = ranked[:_SEARCH_KEEP]
+    best = ranked[0][1]
+    same = [o for o in opts if o[1].path == best.path]
+    for target in (best.partitions / 2, best.partitions * 2):
+        near = min(same, key=lambda o: abs(o[1].partitions - target))
+        if all(near is not o for o in out):
+            out.append(near)
+    return out
+
+
+def _pipeline_search(run: Callable[[Sequence[Tuple[bool, Cost]]], Simulation],
+                     starts: Sequence[Sequence[Tuple[bool, Cost]]],
+                     alternatives: Sequence[Sequence[Tuple[bool, Cost]]],
+                     numels: Sequence[int], passes: int = 2) -> List[Tuple[bool, Cost]]:
+    """Return the choices with the least simulated delay found by a local search.
+
+    Starts from the best of ``starts`` (the per-gradient optimum, the fixed policies) by
+    :attr:`Simulation.delay_s`, then, largest gradient first, replaces one gradient's
+    choice by each of its ``alternatives`` and keeps a change that lowers the delay by
+    more than a microsecond; at most ``passes`` sweeps, fewer when one changes nothing.
+    Never worse than the best start.
+    """
+    best = min(starts, key=lambda c: run(c).delay_s)
+    cur = list(best)
+    score = run(cur).delay_s
+    order = sorted(range(len(cur)), key=lambda i: -numels[i])
+    for _ in range(passes):
+        changed = False
+        for i in order:
+            keep = cur[i]
+            for alt in alternatives[i]:
+                if alt is keep:
+                    continue
+                cur[i] = alt
+                got = run(cur).delay_s
+                if got < score - 1e-6:
+                    score, keep, changed = got, alt, True
+            cur[i] = keep
+        if not changed:
+            break
+    return cur
+
+
 def _entry(name: str, numel: int, choice: Tuple[bool, Cost]) -> PlanEntry:
     compress, cost = choice
     return PlanEntry(name=name, numel=int(numel), compress=bool(compress),
@@ -405,12 +478,15 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         fusion_bytes: the engine's fused-buffer size (``sync.fusion_threshold_bytes``).
         min_compress_bytes: ``compression.min_compress_bytes``, for the ``threshold``
             baseline only.
-        partition_bytes: ``sync.partition_bytes``, for the ``threshold`` baseline only.
+        partition_bytes: ``sync.partition_bytes``, for the ``threshold`` baseline and the
+            simulation's bulk groups.
         profile_source: where the profile came from (recorded in the plan).
         arrivals: ``(name, numel, ready_s)`` of the gradients over a backward pass
-            (:func:`hipress.secopa.pipeline.arrivals_from_timeline`); with them each
-            policy's exposed sync time is simulated into ``predicted_exposed_ms``
-            (gradients without an arrival are taken as ready at the end).
+            (:func:`hipress.secopa.pipeline.arrivals_from_timeline`); with them the plan
+            minimizes the simulated delay (module docstring) and each policy's exposed
+            time and delay are simulated into ``predicted_exposed_ms`` and
+            ``predicted_delay_ms`` (gradients without an arrival are taken as ready at the
+            end).
 
     Returns:
         The :class:`Plan`, with totals in ``predicted_ms`` (and ``predicted_exposed_ms``).
@@ -436,6 +512,8 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
     best_any: List[Tuple[bool, Cost]] = []
     best_comp: List[Optional[Tuple[bool, Cost]]] = []
     forced: List[Tuple[bool, Cost]] = []
+    #: per gradient, the options the pipeline search tries (uncompressed first)
+    alternatives: List[List[Tuple[bool, Cost]]] = []
     for n, shp in zip(numels, shapes):
         unc = (False, model.uncompressed(n))
         comp = options(model, codec, n, strategy, fb, max_partitions,
@@ -444,6 +522,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         best_any.append(_best([unc] + allowed))
         best_comp.append(_best(allowed) if allowed else None)
         forced.append(_best(comp) if comp else unc)
+        alternatives.append([unc] + _near_best(allowed))
 
     def total(choices: Sequence[Tuple[bool, Cost]]) -> float:
         t = sum(c.total_s for _, c in choices)
@@ -474,16 +553,27 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         "compress_nothing": total([(False, model.uncompressed(n)) for n in numels]),
     }
     exposed: Dict[str, float] = {}
+    delay: Dict[str, float] = {}
     if arrivals is not None:
         ready = {str(a[0]): float(a[2]) for a in arrivals}
         end = max(ready.values(), default=0.0)
         arr = [(nm, n, ready.get(nm, end)) for nm, n in zip(names, numels)]
-        policies = {"plan": chosen, "compress_everything": forced, "threshold": threshold,
-                    "compress_nothing": [(False, model.uncompressed(n)) for n in numels]}
-        for key, choices in policies.items():
+
+        def run(choices: Sequence[Tuple[bool, Cost]]) -> Simulation:
             ch = {nm: Decision(True, c.partitions, c.path) if comp else UNCOMPRESSED
                   for nm, (comp, c) in zip(names, choices)}
-            exposed[key] = simulate(model, arr, ch, codec, fb).exposed_s * 1e3
+            return simulate(model, arr, ch, codec, fb, partition_bytes)
+
+        nothing = [(False, model.uncompressed(n)) for n in numels]
+        chosen = _pipeline_search(run, [chosen, forced, threshold, nothing], alternatives,
+                                  numels)
+        policies = {"plan": chosen, "compress_everything": forced, "threshold": threshold,
+                    "compress_nothing": nothing}
+        for key, choices in policies.items():
+            sim = run(choices)
+            exposed[key] = sim.exposed_s * 1e3
+            delay[key] = sim.delay_s * 1e3
+        totals["plan"] = total(chosen)
     entries = [_entry(name, n, ch) for name, n, ch in zip(names, numels, chosen)]
     return Plan(
         version=PLAN_VERSION,
@@ -494,7 +584,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         profile={"source": profile_source, "world_size": profile.world_size,
                  "hosts": sorted(set(profile.hosts)), "created": profile.created},
         predicted_ms={k: v * 1e3 for k, v in totals.items()},
-        predicted_exposed_ms=exposed, gradients=entries)
+        predicted_exposed_ms=exposed, predicted_delay_ms=delay, gradients=entries)
 
 
 def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]],
@@ -504,9 +594,11 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
     ``hipress plan -v`` prints it. Columns: the uncompressed (fused) time, the best time
     of each compressed path with its partition count K, the plan's choice and why:
     ``fastest`` (the minimum of the row), ``not shrinkable`` (the codec does not make
-    this gradient smaller, :func:`may_compress`), or ``no fused buffer`` (compressed
+    this gradient smaller, :func:`may_compress`), ``no fused buffer`` (compressed
     although slower alone, because then no gradient goes uncompressed and the fused
-    buffer's fixed cost per iteration is saved).
+    buffer's fixed cost per iteration is saved), or, for a plan made with arrival times,
+    ``least delay`` (slower alone, but the iteration's simulated delay is smaller: it
+    overlaps the backward pass or other gradients).
 
     Args:
         p: the plan :func:`plan` made from the same arguments.
@@ -548,6 +640,9 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
             why = "not shrinkable"
         elif abs(e.predicted_ms - fastest * 1e3) <= 1e-9 + 1e-9 * abs(fastest * 1e3):
             why = "fastest"
+        elif p.predicted_delay_ms:
+            why = (f"least delay (iteration {p.predicted_delay_ms.get('plan', 0.0):.1f} ms "
+                   "simulated; overlaps the backward pass)")
         else:
             why = f"no fused buffer (its {model.fused_fixed() * 1e3:.3f} ms saved)"
         lines.append(f"{str(name)[:40]:<40}{n:>11}{unc * 1e3:>10.3f}{cells}  {choice:<12}{why}")
@@ -564,7 +659,8 @@ def summary_table(p: Plan) -> str:
         f", strategy {p.strategy}, world size {p.world_size}, {n} gradients "
         f"({mib:.1f} MiB float32), error feedback {'on' if p.feedback else 'off'}",
         f"{'policy':<22}{'predicted ms/iter':>18}{'compressed':>12}"
-        + (f"{'exposed ms/iter':>17}" if p.predicted_exposed_ms else ""),
+        + (f"{'exposed ms/iter':>17}" if p.predicted_exposed_ms else "")
+        + (f"{'delay ms/iter':>15}" if p.predicted_delay_ms else ""),
     ]
     counts = {"plan": comp, "compress_everything": sum(g.numel > 0 for g in p.gradients),
               "compress_nothing": 0}
@@ -574,8 +670,10 @@ def summary_table(p: Plan) -> str:
         c = counts.get(key)
         shown = f"{c}/{n}" if c is not None else "-"
         ex = p.predicted_exposed_ms.get(key)
+        de = p.predicted_delay_ms.get(key)
         lines.append(f"{key.replace('_', '-'):<22}{p.predicted_ms[key]:>18.2f}{shown:>12}"
-                     + (f"{ex:>17.2f}" if ex is not None else ""))
+                     + (f"{ex:>17.2f}" if ex is not None else "")
+                     + (f"{de:>15.2f}" if de is not None else ""))
     paths: Dict[str, int] = {}
     for g in p.gradients:
         paths[g.strategy] = paths.get(g.strategy, 0) + 1

@@ -61,6 +61,10 @@ about 0.1-2 s per codec family on a loaded two-core machine, recorded as ``warmu
 a profile thus takes warm-up + budget + well under a second (overruns of the last size of
 a series, the final broadcast).
 
+While the ``allreduce`` pattern runs, each machine's busy CPU (``/proc/stat``) is read
+too: ``wire_cpu_s_per_byte``, what moving a byte costs the cores training shares (on the
+emulated cluster, whose hosts share one kernel, the TCP stack's work is all of it).
+
 A job's timeline refines a measured profile (:func:`refit_from_timeline`, ``hipress profile
 --from-timeline``): the codecs' CPU time in training, the engine's CPU per task step
 (polling, message progress, the task graphs' Python: far more than the no-op chain shows),
@@ -83,6 +87,7 @@ import json
 import logging
 import math
 import os
+import socket
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Tuple
@@ -115,6 +120,9 @@ COMM_PRIMITIVES = ("ring_step", "ps_gather", "ps_bcast", "allgather", "allreduce
 #: the engine's idle poll sleep (hipress.engine.engine: time.sleep(0.0002) while busy)
 ENGINE_POLL_SLEEP_S = 0.0002
 _COMM_SHARE = 0.4
+#: allreduce sizes from which the machines' busy CPU counts for ``wire_cpu_s_per_byte``
+#: (below, fixed costs and polling dominate)
+_WIRE_CPU_MIN_BYTES = 1 << 20
 _MIN_POINTS = 2
 _TARGET_SAMPLE_S = 0.03
 _MIN_REPS, _MAX_REPS = 3, 25
@@ -269,6 +277,11 @@ class Profile(BaseModel):
             measured about 0.25.
         cpu_share_tail: the same after the backward pass has ended (the ranks' engines
             then share the cores only with each other).
+        wire_cpu_s_per_byte: CPU seconds per byte a rank allreduces uncompressed, over
+            all cores of its machine (MPI, the engine's polling, the kernel's TCP stack:
+            busy time in ``/proc/stat`` while the ``allreduce`` pattern ran, at 1 MiB and
+            up): what moving bytes takes from training that shares the cores. Measured
+            where ``/proc/stat`` exists and N > 1, else 0.
     """
 
     model_config = _STRICT
@@ -291,6 +304,7 @@ class Profile(BaseModel):
     round_s: float = Field(0.0, ge=0)
     cpu_share_backward: float = Field(1.0, gt=0, le=1)
     cpu_share_tail: float = Field(1.0, gt=0, le=1)
+    wire_cpu_s_per_byte: float = Field(0.0, ge=0)
 
     # ------------------------------------------------------------------ files
     @classmethod
@@ -761,13 +775,29 @@ def _comm_op(comm: Any, sched: Any, pattern: str, nbytes: int) -> Callable[[], N
     return run
 
 
+def _machine_id() -> str:
+    """Return an id shared by the processes of one kernel (its boot id; else the host name).
+
+    Ranks in network namespaces of one machine (the emulated cluster) have host names of
+    their own but one ``/proc/stat``.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, nbytes: int,
-                  deadline: float) -> Optional[Tuple[float, float]]:
+                  deadline: float) -> Optional[Tuple[float, float, float]]:
     """Time one pattern at one size on every rank.
 
     Returns:
-        On rank 0 ``(t, spread)`` of the per-repetition maxima over ranks (a pattern is
-        done when its slowest rank is; see :func:`_low_and_spread`); None elsewhere.
+        On rank 0 ``(t, spread, cpu)`` of the per-repetition maxima over ranks (a pattern
+        is done when its slowest rank is; see :func:`_low_and_spread`) and ``cpu``, the
+        machines' busy CPU seconds per repetition and rank (``/proc/stat`` of each
+        machine, the median over its ranks' readings, summed over machines, over N; -1
+        where a machine has no ``/proc/stat``); None elsewhere.
     """
     op = _comm_op(comm, sched, pattern, nbytes)
     comm.Barrier()
@@ -781,16 +811,26 @@ def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, 
         reps = max(_MIN_REPS, int(left / max(first, 1e-6)))
     reps = int(clock.comm.bcast(reps if clock.root else None, root=0))
     samples = []
+    comm.Barrier()
+    busy0 = cpu_sample()[1]
     for _ in range(reps):
         comm.Barrier()
         t0 = time.perf_counter()
         op()
         samples.append(time.perf_counter() - t0)
-    allsamples = comm.gather(samples, root=0)
+    comm.Barrier()
+    busy1 = cpu_sample()[1]
+    busy = busy1 - busy0 if busy0 >= 0 and busy1 >= 0 else -1.0
+    allsamples = comm.gather((samples, _machine_id(), busy), root=0)
     if not clock.root:
         return None
-    per_rep = [max(s[i] for s in allsamples) for i in range(reps)]
-    return _low_and_spread(per_rep)
+    per_rep = [max(s[0][i] for s in allsamples) for i in range(reps)]
+    machines: Dict[str, List[float]] = {}
+    for _, mid, b in allsamples:
+        machines.setdefault(mid, []).append(b)
+    cpu = (-1.0 if any(b < 0 for bs in machines.values() for b in bs) else
+           sum(statistics.median(bs) for bs in machines.values()) / (reps * len(allsamples)))
+    return (*_low_and_spread(per_rep), cpu)
 
 
 def _as_codec(c: Any) -> Codec:
@@ -891,6 +931,7 @@ def run_profile(
 
     # ---- communication: 40 % of the budget, shared evenly by the patterns still to do
     comm_fits: Dict[str, Fit] = {}
+    wire_cpu: List[float] = []  # rank 0: CPU s per byte allreduced, per size
     if N > 1:
         from hipress.comm import MpiTransport
         from hipress.engine.scheduler import Scheduler
@@ -912,6 +953,8 @@ def run_profile(
                 if clock.root and got is not None:
                     pts.append((float(nbytes), got[0]))
                     spread = max(spread, got[1])
+                    if pattern == "allreduce" and nbytes >= _WIRE_CPU_MIN_BYTES and got[2] >= 0:
+                        wire_cpu.append(got[2] / nbytes)
             if clock.root:
                 comm_fits[pattern] = fit_line(pts).model_copy(update={"spread": spread})
                 logger.debug("profiled %s: %d sizes, %.2f s since start", pattern, len(pts),
@@ -1000,7 +1043,8 @@ def run_profile(
             warmup_s=float(warmup_s),
             step_overhead_s=float(overhead), ef=fitted("ef", "ef"),
             write=fitted("ef", "write"),
-            comm=CommProfile(**comm_fits), codecs=codec_profiles, host_load=load, loaded=loaded)
+            comm=CommProfile(**comm_fits), codecs=codec_profiles, host_load=load, loaded=loaded,
+            wire_cpu_s_per_byte=float(statistics.median(wire_cpu)) if wire_cpu else 0.0)
         text = prof.to_json()
         logger.info("SeCoPa profile of %d rank(s), %d codec(s) took %.1f s (codec warm-up "
                     "%.1f s + measurements, budget %.0f s)", N, len(codec_profiles),
