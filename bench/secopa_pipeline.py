@@ -30,6 +30,9 @@ Usage (root, for the network namespaces)::
     python bench/secopa_pipeline.py --model resnet50 --codec onebit
     python bench/secopa_pipeline.py --model vgg19 --codec onebit --iters 3
 
+``--analyse-only`` (same arguments and ``--out``) runs nothing and analyses the jobs an
+earlier run left there again.
+
 Writes ``<out>/<model>-<codec>-<rate>.json`` and ``.md`` (default ``bench/results/
 secopa-pipeline``); every job's command and log lines go to ``<out>/jobs/``.
 """
@@ -71,6 +74,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile-budget", type=float, default=40.0)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--job-timeout", type=float, default=900.0)
+    p.add_argument("--analyse-only", action="store_true",
+                   help="run nothing: analyse the jobs an earlier run left in --out")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "secopa-pipeline"))
     return p.parse_args(argv)
 
@@ -168,7 +173,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobdir.mkdir(parents=True, exist_ok=True)
     rate = "local" if args.local else args.rate
     tag = f"{args.model}-{args.codec}-{rate}"
-    if args.local:
+    if args.local or args.analyse_only:
         return run_all(args, Runner(args, None, dict(os.environ), jobdir), out, tag)
     from hipress.testing.emucluster import EmulatedCluster, namespaces_unavailable
 
@@ -194,11 +199,15 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     work = out / "jobs" / tag
     work.mkdir(parents=True, exist_ok=True)
     policies = [p for p in args.policies.split(",") if p]
-    load_start = loadavg()
+    load_start, load_end = loadavg(), None
+    earlier = out / f"{tag}.json"
+    if args.analyse_only and earlier.exists():  # the loads the jobs ran under
+        old = json.loads(earlier.read_text())["meta"]
+        load_start, load_end = old.get("load_start"), old.get("load_end")
     prof_path = work / "profile.json"
-    rc = runner.run(f"{tag}-profile", [hp_cli, "profile", "--codecs", args.codec,
-                                       "--time-budget", str(args.profile_budget), "-o",
-                                       str(prof_path)])
+    rc = 0 if args.analyse_only else runner.run(
+        f"{tag}-profile", [hp_cli, "profile", "--codecs", args.codec, "--time-budget",
+                           str(args.profile_budget), "-o", str(prof_path)])
     if rc or not prof_path.exists():
         print(f"profile failed (exit {rc}); see {out / 'jobs'}", file=sys.stderr)
         return 1
@@ -207,6 +216,9 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         name = policy if rnd == 0 else f"{policy}.r{rnd}"
         trace = work / f"{name}.trace.json"
         prefix = work / f"{name}"
+        if args.analyse_only:
+            step = worker_step_s(prefix, args.hosts)
+            return {"rc": 0 if step and trace.exists() else 1, "trace": trace, "step_s": step}
         for old in [trace, *work.glob(f"{name}.rank*.json")]:
             old.unlink(missing_ok=True)
         rc = runner.run(f"{tag}-{name}", [
@@ -228,10 +240,12 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     refit_path = work / "profile.refit.json"
     refit.save(refit_path)
     plan_path = work / "plan.json"
-    subprocess.run([hp_cli, "plan", "--profile", str(refit_path), "--gradients", args.model,
-                    "--strategy", args.strategy, "--world-size", str(args.hosts), "--codec",
-                    args.codec, "--timeline", str(jobs["threshold"][0]["trace"]),
-                    "--skip-steps", str(args.warmup), "-o", str(plan_path)], check=True)
+    if not args.analyse_only:
+        subprocess.run([hp_cli, "plan", "--profile", str(refit_path), "--gradients", args.model,
+                        "--strategy", args.strategy, "--world-size", str(args.hosts),
+                        "--codec", args.codec, "--timeline",
+                        str(jobs["threshold"][0]["trace"]), "--skip-steps", str(args.warmup),
+                        "-o", str(plan_path)], check=True)
     everything = {"compression": {"min_compress_bytes": 0}}
     everything_cfg = work / "everything.yaml"
     everything_cfg.write_text(json.dumps(everything))  # YAML reads JSON
@@ -265,7 +279,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
                                "step_s_runs": [j["step_s"] for j in runs]}
         if ok:
             ms = [measured(j["trace"], args.warmup) for j in ok]
-            sims = [simulate(model, m["arrivals"], choices[policy], codec, True) for m in ms]
+            sims = [simulate(model, m["arrivals"], choices[policy], codec, plan_file.feedback)
+                    for m in ms]
             row.update(step_s=statistics.median(j["step_s"] for j in ok),
                        measured_exposed_s=statistics.median(m["exposed_s"] for m in ms),
                        backward_s=statistics.median(m["backward_s"] for m in ms),
@@ -282,12 +297,12 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     best_fixed = min((r["step_s"] for r in rows if r["policy"] != "plan" and r["step_s"]),
                      default=None)
     meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
-            "rate": "local" if runner.hosts is None else args.rate, "hosts": args.hosts,
+            "rate": "local" if args.local else args.rate, "hosts": args.hosts,
             "batch_size": args.batch_size, "image_size": args.image_size,
             "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
             "load_start": load_start, "compute_floor_s": floor,
             "wire_cpu_ns_per_byte": refit.wire_cpu_s_per_byte * 1e9,
-            "load_end": loadavg(), "refit": report, "round_s": refit.round_s,
+            "load_end": load_end or loadavg(), "refit": report, "round_s": refit.round_s,
             "plan_predicted_exposed_ms": plan_file.predicted_exposed_ms,
             "plan_predicted_delay_ms": plan_file.predicted_delay_ms,
             "argv": sys.argv[1:]}
