@@ -67,7 +67,11 @@ def test_direct_calls_exact_under_a_lossy_policy(np_):
 
 
 def test_secopa_plan_auto_is_followed():
-    run_cases(2, ["plan_auto_followed"])
+    proc = run_cases(2, ["plan_auto_followed"])
+    # the explicit codec the plan cannot turn off: said once, by rank 0, with the fix
+    said = [line for line in proc.stderr.splitlines() if "always honoured" in line]
+    assert len(said) == 1 and "'plan.tiny.explicit'" in said[0], proc.stderr[-2000:]
+    assert "compression.algorithm" in said[0]
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -379,6 +379,10 @@ def test_invalid_plan_files_name_the_field(tmp_path):
     d = json.loads(good.to_json())
     d["strategy"] = "tree"
     assert "strategy" in _plan_error(tmp_path, d)
+    # the first line stands alone (a launcher's one-line summary shows only it)
+    d["gradients"][0]["partitions"] = 0
+    first = _plan_error(tmp_path, d).splitlines()[0]
+    assert "strategy" in first and "(and 1 more):" in first, first
 
 
 # ----------------------------------------------------------------------------- MPI
@@ -809,6 +813,8 @@ def test_arrivals_from_timeline_and_plan_with_exposed_times(tmp_path, capsys):
     assert measured[2]["exposed_s"] == pytest.approx(5e-3 + 2e-3)
     with pytest.raises(SeCoPaError, match="no submit events of rank 3"):
         arrivals_from_timeline({"traceEvents": events}, rank=3)
+    with pytest.raises(SeCoPaError, match="no submit events of any rank for a gradient"):
+        arrivals_from_timeline({"traceEvents": [e for e in events if e["name"] == "done"]})
     # every rank (the default): a gradient arrives when its last rank submits it
     late = [dict(e, pid=1, ts=e["ts"] + 3000) for e in events
             if e["pid"] == 0 and e["name"] == "submit" and e["args"]["step"] == 2]
@@ -901,7 +907,7 @@ def test_cli_plan_verbose_prints_each_options_time_and_the_reason(tmp_path, caps
 WORLD1 = types.SimpleNamespace(rank=0, size=1, mpi=None)
 
 
-def test_plan_follower_file_and_fixed_policy(tmp_path):
+def test_plan_follower_file_and_fixed_policy(tmp_path, caplog):
     grads = [("big", (4_000_000,)), ("small", (10,))]
     p = plan(PROFILE4, grads, CODECS["onebit"], "ps", 4)
     path = tmp_path / "plan.json"
@@ -921,6 +927,15 @@ def test_plan_follower_file_and_fixed_policy(tmp_path):
         True, 3, "auto")
     assert f.decide("other2", np.zeros(100, np.float32), CODECS["onebit"], None)[0] is False
     assert f.decide("big", big, None, None) == (False, 1, "auto")
+    # three missing names are warned of one by one, then once for all the rest
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hipress.secopa.runtime"):
+        for i in range(6):
+            f.decide(f"more{i}", np.zeros(100, np.float32), CODECS["onebit"], None)
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("is not in SeCoPa plan" in m for m in said) == 1  # other, other2 were before
+    assert len([m for m in said if "more gradients" in m]) == 1 and len(said) == 2
+    assert "another model" in said[-1] and "'more1'" in said[-1]
     # sync.plan: none follows the fixed policy too
     g = PlanFollower(config_from_dict({"sync": {"partitions": 2}}), WORLD1)
     g.setup()

@@ -349,6 +349,17 @@ class Engine:
                 cobj, key, parts, why = None, "none", None, "plan"
             elif not compress:
                 parts = None
+                if "plan-explicit" not in self._warned:
+                    self._warned.add("plan-explicit")
+                    if self.rank == 0:
+                        logger.warning(
+                            "SeCoPa plan (sync.plan=%r) leaves %r uncompressed, but the code "
+                            "asks for codec %r explicitly, which is always honoured: every "
+                            "gradient the plan leaves uncompressed is compressed anyway. To "
+                            "let the plan decide, put the codec in the config "
+                            "(compression.algorithm) and pass compression=None (the "
+                            "optimizer's default) or codec='auto'", self.cfg.sync.plan, name,
+                            codec if isinstance(codec, str) else getattr(cobj, "name", codec))
         self._account(array, codec, cobj, key, why)
         sub = _Submission(name=name, array=array, average=(op == "average"), op=op, codec=cobj,
                           codec_key=key, strategy=strategy,

@@ -243,9 +243,14 @@ def _plan(args: argparse.Namespace) -> int:
         mid = median_step(meas, args.skip_steps)
         arrivals, measured = steps[mid], (mid, meas[mid])
         known = {a[0] for a in arrivals} & {str(g[0]) for g in grads}
+        if args.skip_steps >= len(meas):
+            print(f"note: {args.timeline} has {len(meas)} step(s), not more than "
+                  f"--skip-steps {args.skip_steps}; using its last step", file=sys.stderr)
         if len(known) < len(grads):
+            seen = sorted(a[0] for a in arrivals)[:2]
             print(f"note: {len(grads) - len(known)} of {len(grads)} gradients have no "
-                  f"arrival in {args.timeline} (other names?); taken as ready at the end "
+                  f"arrival in {args.timeline} (other names? it has e.g. {seen}, the set "
+                  f"has e.g. {[str(g[0]) for g in grads[:2]]}); taken as ready at the end "
                   "of the backward pass", file=sys.stderr)
     p = plan(prof, grads, codec, args.strategy, n, max_partitions=args.max_partitions,
              memory=args.memory, fusion_bytes=args.fusion_bytes,

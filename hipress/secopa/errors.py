@@ -28,10 +28,11 @@ def format_validation_error(kind: str, origin: str, exc: Any) -> str:
         exc: the ``pydantic.ValidationError``.
 
     Returns:
-        A first line ``invalid <kind> <origin>:`` and then one line per error,
-        ``  field.path: message (got value)``.
+        A first line ``invalid <kind> <origin>: <the first error> (and N more):`` that
+        stands alone where only one line is shown (a launcher's summary), then one line
+        per error, ``  field.path: message (got value)``.
     """
-    lines = [f"invalid {kind} {origin}:"]
+    lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ())) or "<top level>"
         given = err.get("input")
@@ -40,4 +41,6 @@ def format_validation_error(kind: str, origin: str, exc: Any) -> str:
             shown = shown[:57] + "..."
         got = f" (got {shown})" if err.get("type") != "missing" else ""
         lines.append(f"  {where}: {err.get('msg', 'invalid')}{got}")
-    return "\n".join(lines)
+    first = lines[0].strip() if lines else "invalid"
+    more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+    return "\n".join([f"invalid {kind} {origin}: {first}{more}:"] + lines)

@@ -35,6 +35,8 @@ from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS, Plan, decide
 from hipress.secopa.profile import Profile, codec_key, run_profile
 
 logger = logging.getLogger(__name__)
+#: gradients missing from a plan file named one by one before a single summary warning
+_UNPLANNED_SHOWN = 3
 
 #: measurement budget (seconds) of the profile made for ``sync.plan: auto``
 AUTO_PROFILE_S = 5.0
@@ -77,6 +79,8 @@ class PlanFollower:
         self._model: Optional[CostModel] = None
         self._cache: Dict[Tuple[str, Tuple[int, ...], str, str], Decision] = {}
         self._warned: set = set()
+        #: names submitted that the plan file has no matching entry for
+        self._unplanned: set = set()
         self._ready = False
         self._policy = FixedPolicy(cfg)
 
@@ -191,8 +195,16 @@ class PlanFollower:
                     return Decision(False, 1, strategy)
                 return Decision(True, entry.partitions, entry.strategy)
             why = "is not in" if entry is None else f"has {numel} elements, not {entry.numel}, in"
-            self._warn(("entry", name), "gradient %r %s SeCoPa plan %s; using the fixed "
-                       "policy for it", name, why, self.path)
+            self._unplanned.add(name)
+            if len(self._unplanned) <= _UNPLANNED_SHOWN:
+                self._warn(("entry", name), "gradient %r %s SeCoPa plan %s; using the fixed "
+                           "policy for it", name, why, self.path)
+            elif len(self._unplanned) == _UNPLANNED_SHOWN + 1:
+                self._warn("unplanned", "more gradients (%r, ...) are not in SeCoPa plan %s "
+                           "as this job names and sizes them: was it made for another model, "
+                           "or from other names (`hipress plan --gradients` takes your "
+                           "model's names and shapes as JSON)? Using the fixed policy for "
+                           "them; not naming further ones", name, self.path)
             return self._fixed(numel, array, strategy)
         if self.mode == "auto" and self._model is not None:
             shape = tuple(int(d) for d in getattr(array, "shape", (numel,)))

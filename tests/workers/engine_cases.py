@@ -346,6 +346,12 @@ def plan_auto_followed():
         if compress and strategy in ("ps", "ring"):
             assert st[k]["strategy"] == strategy, (k, st[k], strategy)
     assert st["plan.big"]["numel"] == 1024 * 1024
+    # a codec passed explicitly is honoured where the plan says uncompressed (the engine
+    # warns once, on rank 0): a 16-element gradient is never worth compressing
+    t = rng.standard_normal(16).astype(np.float32)
+    assert not plan.decide("plan.tiny.explicit", t, _get("onebit"), None)[0]
+    hp.allreduce(t, "plan.tiny.explicit", codec="onebit")
+    assert hp.stats()["plan.tiny.explicit"]["codec"] == "onebit", hp.stats()
 
 
 @case
