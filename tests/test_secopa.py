@@ -765,10 +765,11 @@ def test_simulation_bulks_small_ps_gradients_of_one_round():
 def test_plan_with_arrivals_minimizes_the_simulated_delay():
     onebit = CODECS["onebit"]
     big = 16_000_000
-    grads = [("early", (big,)), ("small", (1000,))]
+    grads = [("early", (big,)), ("small", (1000,)), ("one", (1,))]
     # "early" arrives at the start of a 10 s backward pass, with plenty of time to cross
-    # the idle link uncompressed; "small" arrives at its end
-    arrivals = [("early", big, 0.0), ("small", 1000, 10.0)]
+    # the idle link uncompressed; "small" arrives at its end; "one" does not shrink (a
+    # 56-byte payload for 4 bytes) and is never compressed, whatever policy wins
+    arrivals = [("early", big, 0.0), ("small", 1000, 10.0), ("one", 1, 10.0)]
     free_wire = plan(PROFILE4, grads, onebit, "ps", 4, arrivals=arrivals)
     assert not free_wire.entry("early").compress  # encoding would only take CPU
     d = free_wire.predicted_delay_ms
@@ -784,6 +785,7 @@ def test_plan_with_arrivals_minimizes_the_simulated_delay():
     costly = PROFILE4.model_copy(update={"wire_cpu_s_per_byte": 2e-8})
     wired = plan(costly, grads, onebit, "ps", 4, arrivals=arrivals)
     assert wired.entry("early").compress
+    assert not wired.entry("one").compress and not free_wire.entry("one").compress
     d = wired.predicted_delay_ms
     assert d["plan"] <= min(d.values()) + 1e-9 and d["plan"] < d["compress_nothing"]
     # without arrival times: the per-gradient model, no delays

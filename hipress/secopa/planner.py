@@ -29,10 +29,10 @@ per-gradient sum is only a starting point: gradients overlap with each other and
 the backward pass, so the plan becomes the one with the least simulated delay per
 iteration (:func:`hipress.secopa.pipeline.simulate`, exposed sync time plus the engine's
 CPU taken from the backward pass): the best of the per-gradient optimum,
-compress-everything, the ``threshold`` policy and compress-nothing, improved by a local
-search over each gradient's options (uncompressed, the cheapest few compressed ones,
-about half and twice their partitions), largest gradients first. It is never predicted
-slower than those starting points.
+compress-everything and the ``threshold`` policy (both keeping rule 2) and
+compress-nothing, improved by a local search over each gradient's options (uncompressed,
+the cheapest few compressed ones, about half and twice their partitions), largest
+gradients first. It is never predicted slower than those starting points.
 
 Baselines predicted alongside (same model): ``compress_everything`` (every gradient with
 an element compressed, best path and K each), ``compress_nothing`` and ``threshold`` (the
@@ -565,8 +565,13 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
             return simulate(model, arr, ch, codec, fb, partition_bytes)
 
         nothing = [(False, model.uncompressed(n)) for n in numels]
-        chosen = _pipeline_search(run, [chosen, forced, threshold, nothing], alternatives,
-                                  numels)
+        # the fixed policies as starts keep rule 2: what does not shrink stays fused
+        def rule2(choices: Sequence[Tuple[bool, Cost]]) -> List[Tuple[bool, Cost]]:
+            return [c if not c[0] or alt[1:] else alt[0]
+                    for c, alt in zip(choices, alternatives)]
+
+        chosen = _pipeline_search(run, [chosen, rule2(forced), rule2(threshold), nothing],
+                                  alternatives, numels)
         policies = {"plan": chosen, "compress_everything": forced, "threshold": threshold,
                     "compress_nothing": nothing}
         for key, choices in policies.items():
