@@ -539,7 +539,7 @@ class Engine:
         SeCoPa's refit (``hipress profile --from-timeline``) takes the engine's cost per
         task step from them.
         """
-        threads = [self._thread] + list(getattr(self._sched.pool, "_threads", ()) or ())
+        threads = [self._thread] + self._sched.compute_threads()
         cpu = 0.0
         for th in threads:
             if th.ident is None or not th.is_alive():

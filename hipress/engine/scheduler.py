@@ -247,6 +247,14 @@ class Scheduler:
                 self._reqs = [r for i, r in enumerate(self._reqs) if i not in done]
                 self._req_ops = [o for i, o in enumerate(self._req_ops) if i not in done]
 
+    def compute_threads(self) -> List[threading.Thread]:
+        """Return the compute pool's threads started so far (none without a pool)."""
+        if self.pool is None:
+            return []
+        # the executor's own set: exact where names are not (a profile's scheduler names
+        # its threads alike); private, but unchanged in CPython since 3.x began
+        return list(self.pool._threads)
+
     def _advance(self, task: _Task, value: Any) -> None:
         """Resume ``task`` with ``value`` until it yields primitives that are not done."""
         while True:

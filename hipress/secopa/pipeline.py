@@ -266,13 +266,15 @@ def arrivals_from_timeline(trace: Any, rank: Optional[int] = None) -> Tuple[
         old = st[e["name"]].get(name)
         st[e["name"]][name] = (max(ts, old[0]) if old else ts,
                                int(a.get("numel", 0)) or (old[1] if old else 0))
-    def none_of(who: str) -> SeCoPaError:
-        return SeCoPaError(f"the timeline has no submit events of {who}: is it a HiPress "
+    who = "any rank" if rank is None else f"rank {rank}"
+
+    def none_of(what: str) -> SeCoPaError:
+        return SeCoPaError(f"the timeline has no submit events of {what}: is it a HiPress "
                            "timeline? Write one with this HiPress version (timeline: "
                            "trace.json, or HIPRESS_TIMELINE=trace.json)")
 
     if not steps:
-        raise none_of("any rank" if rank is None else f"rank {rank}")
+        raise none_of(who)
     out_arrivals, out_measured = [], []
     for step in sorted(steps):
         sub, done = steps[step]["submit"], steps[step]["done"]
@@ -285,7 +287,7 @@ def arrivals_from_timeline(trace: Any, rank: Optional[int] = None) -> Tuple[
         end = max((done[n][0] for n in names if n in done), default=t0) - t0
         out_measured.append({"backward_s": back, "end_s": end, "exposed_s": max(0.0, end - back)})
     if not out_arrivals:  # done events only, or the engine's own names only
-        raise none_of(("any rank" if rank is None else f"rank {rank}") + " for a gradient")
+        raise none_of(f"{who} for a gradient")
     return out_arrivals, out_measured
 
 

@@ -341,9 +341,8 @@ def _pipeline_search(run: Callable[[Sequence[Tuple[bool, Cost]]], Simulation],
     more than a microsecond; at most ``passes`` sweeps, fewer when one changes nothing.
     Never worse than the best start.
     """
-    best = min(starts, key=lambda c: run(c).delay_s)
-    cur = list(best)
-    score = run(cur).delay_s
+    score, best = min(((run(c).delay_s, i) for i, c in enumerate(starts)))
+    cur = list(starts[best])
     order = sorted(range(len(cur)), key=lambda i: -numels[i])
     for _ in range(passes):
         changed = False
@@ -546,11 +545,12 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
             k = max(1, math.ceil(nbytes / partition_bytes))
             threshold.append((True, model.compressed(codec, n, default_path, k, fb, shp)))
 
+    nothing = [(False, model.uncompressed(n)) for n in numels]
     totals = {
         "plan": total(chosen),
         "compress_everything": total(forced),
         "threshold": total(threshold),
-        "compress_nothing": total([(False, model.uncompressed(n)) for n in numels]),
+        "compress_nothing": total(nothing),
     }
     exposed: Dict[str, float] = {}
     delay: Dict[str, float] = {}
@@ -564,11 +564,10 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
                   for nm, (comp, c) in zip(names, choices)}
             return simulate(model, arr, ch, codec, fb, partition_bytes)
 
-        nothing = [(False, model.uncompressed(n)) for n in numels]
         # the fixed policies as starts keep rule 2: what does not shrink stays fused
         def rule2(choices: Sequence[Tuple[bool, Cost]]) -> List[Tuple[bool, Cost]]:
-            return [c if not c[0] or alt[1:] else alt[0]
-                    for c, alt in zip(choices, alternatives)]
+            return [unc if c[0] and comp is None else c
+                    for c, comp, unc in zip(choices, best_comp, nothing)]
 
         chosen = _pipeline_search(run, [chosen, rule2(forced), rule2(threshold), nothing],
                                   alternatives, numels)
