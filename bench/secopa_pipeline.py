@@ -59,7 +59,7 @@ POLICIES = ("threshold", "compress_everything", "compress_nothing", "plan")
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="resnet50", help="resnet50 or vgg19")
+    p.add_argument("--model", default="resnet50", help="resnet50, vgg19 or bert-base")
     p.add_argument("--codec", default="onebit")
     p.add_argument("--strategy", default="ps", choices=("ps", "ring"))
     p.add_argument("--hosts", type=int, default=4)
@@ -67,6 +67,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--local", action="store_true", help="localhost, no emulated links")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (bert-base)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1,
@@ -224,7 +225,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         rc = runner.run(f"{tag}-{name}", [
             py, str(ROOT / "bench" / "train_e2e_worker.py"), "--system", "hipress", "--model",
             args.model, "--batch-size", str(args.batch_size), "--image-size",
-            str(args.image_size), "--warmup", str(args.warmup), "--iters", str(args.iters),
+            str(args.image_size), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+            "--iters", str(args.iters),
             "--codec", codec, "--strategy", args.strategy, "--json", str(prefix)],
             dict(env, HIPRESS_TIMELINE=str(trace)))
         return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts)}
@@ -299,6 +301,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
             "rate": "local" if args.local else args.rate, "hosts": args.hosts,
             "batch_size": args.batch_size, "image_size": args.image_size,
+            "seq_len": args.seq_len,
             "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
             "load_start": load_start, "compute_floor_s": floor,
             "wire_cpu_ns_per_byte": refit.wire_cpu_s_per_byte * 1e9,

@@ -203,7 +203,7 @@ def torch_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
 
     import torch
     import torch.nn.functional as F  # noqa: N812
-    from models import build_model, input_shape
+    from models import build_model, synthetic_batch
 
     import hipress
     import hipress.torch as hp
@@ -211,8 +211,8 @@ def torch_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
     torch.manual_seed(0)
     model = build_model(args.model, num_classes=1000)
     g = torch.Generator().manual_seed(hipress.rank())
-    data = torch.randn(args.batch_size, *input_shape(args.model, args.image_size), generator=g)
-    target = torch.randint(0, 1000, (args.batch_size,), generator=g)
+    data, target = synthetic_batch(args.model, args.batch_size, 1000, g,
+                                   image_size=args.image_size)
 
     def make_step(net: Any, opt: Any) -> Callable[[], None]:
         def step() -> None:

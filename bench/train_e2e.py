@@ -79,7 +79,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rates", default="1gbit", help="link rates, comma-separated (1gbit,10gbit)")
     p.add_argument("--queue-ms", type=float, default=50.0, help="tbf queue bound (not a delay)")
     p.add_argument("--models", default="resnet50,vgg19",
-                   help="PyTorch models of examples/torch/models.py")
+                   help="PyTorch models of examples/torch/models.py (resnet50, vgg19, "
+                        "bert-base: its rows' images/s are sequences/s)")
     p.add_argument("--baselines", default=DEFAULT_BASELINES,
                    help="baseline systems ('' for none; ddp-noop, the compute floor, always runs)")
     p.add_argument("--codecs", default="onebit,tbq,terngrad,dgc,graddrop,powersgd",
@@ -97,8 +98,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--tf", action="store_true", help="also run the TensorFlow jobs")
     p.add_argument("--tf-codecs", default="none,onebit,terngrad",
                    help="HiPress codecs of the TensorFlow jobs")
-    p.add_argument("--batch-size", type=int, default=8, help="images per rank per step")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="images (bert-base: sequences) per rank per step")
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (bert-base)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--iters", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--torch-threads", type=int, default=0,
@@ -141,6 +144,7 @@ def plan_jobs(args: argparse.Namespace) -> List[Dict[str, Any]]:
     arguments).
     """
     common = ["--batch-size", str(args.batch_size), "--image-size", str(args.image_size),
+              "--seq-len", str(args.seq_len),
               "--warmup", str(args.warmup), "--iters", str(args.iters),
               "--torch-threads", str(args.torch_threads)]
     baselines = csv(args.baselines)
@@ -359,7 +363,8 @@ def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: boo
             f"Run: `python bench/train_e2e.py {shlex.join(meta['argv'])}` at {meta['started']} "
             f"({meta['mode']}); load average at start {meta['load_at_start']} on "
             f"{meta['cpus']} CPUs; batch {meta['batch_size']} per rank, images "
-            f"{meta['image_size']}x{meta['image_size']}; torch threads: "
+            f"{meta['image_size']}x{meta['image_size']} (bert-base: sequences of "
+            f"{meta.get('seq_len', 64)} tokens); torch threads: "
             f"{meta['torch_threads_setting']} (get_num_threads in the workers: "
             f"{', '.join(threads) or '-'}).", "", table(rows), "", COLUMNS, ""]
     fail = failures(rows)
@@ -486,7 +491,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "mode": "local" if args.local else f"emulated cluster, {args.hosts} hosts",
             "cpus": os.cpu_count(), "load_at_start": loadavg(),
             "batch_size": args.batch_size, "image_size": args.image_size,
-            "warmup": args.warmup, "iters": args.iters, "torch_threads_setting": threads,
+            "seq_len": args.seq_len, "warmup": args.warmup, "iters": args.iters,
+            "torch_threads_setting": threads,
             "queue_ms": args.queue_ms, "hipress_env": {k: v for k, v in os.environ.items()
                                                        if k.startswith("HIPRESS_")}}
     with open(out / "train_e2e.log", "w") as fh:

@@ -79,6 +79,7 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (bert-base)")
     p.add_argument("--num-classes", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
@@ -196,15 +197,15 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
     import torch.nn.functional as F  # noqa: N812
 
     sys.path.insert(0, str(ROOT / "examples" / "torch"))
-    from models import build_model, input_shape
+    from models import build_model, synthetic_batch
 
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
     torch.manual_seed(0)
     model = build_model(args.model, num_classes=args.num_classes)
     g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(args.batch_size, *input_shape(args.model, args.image_size), generator=g)
-    y = torch.randint(0, args.num_classes, (args.batch_size,), generator=g)
+    x, y = synthetic_batch(args.model, args.batch_size, args.num_classes, g,
+                           image_size=args.image_size, seq_len=args.seq_len)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=0.01, momentum=0.9)
     net: Any = model

@@ -556,6 +556,34 @@ def test_refit_reads_the_fused_merge_encode_span_as_merge(feedback):
     assert report["onebit/encode"]["factor"] == pytest.approx(0.8)
 
 
+def test_refit_prices_a_gradients_reduce_stages_together():
+    """A compressed allreduce's stage spans (encode at stage 0, then stage) of one gradient
+    and step are summed and priced against the profile's ``stages`` fit."""
+    from hipress.secopa.profile import refit_from_timeline
+
+    cp, n = PROFILE4.codecs["powersgd"], 1 << 20
+    whole = cp.stages(4.0 * n)
+    events = []
+    for rank in (0, 1):
+        for step, factor in enumerate((2.9, 3.0, 3.1)):
+            for i, share in enumerate((0.5, 0.25, 0.25)):  # three stage spans, one step
+                events.append({"name": "encode" if i == 0 else "stage", "ph": "X",
+                               "ts": 100.0 * step + i, "dur": 1.0, "pid": rank,
+                               "args": {"gradient": "w", "stage": i, "codec": "powersgd",
+                                        "numel": n, "cpu_us": whole * factor * share * 1e6}})
+    # an older version's stage spans name no codec: not counted
+    events.append({"name": "stage", "ph": "X", "ts": 500.0, "dur": 9e9,
+                   "args": {"gradient": "w", "stage": 1}})
+    refit, report = refit_from_timeline(PROFILE4, events)
+    assert report["powersgd/stages"] == pytest.approx(
+        {"spans": 6, "factor": 3.0, "p20": 2.9, "p80": 3.1})
+    assert "powersgd/encode" not in report  # stage 0 is not priced as an encode
+    assert refit.codecs["powersgd"].stages.b == pytest.approx(cp.stages.b * 3.0)
+    assert refit.codecs["powersgd"].encode == cp.encode
+    with pytest.raises(ProfileError, match=r"no codec spans \(encode, decode, merge, stages\)"):
+        refit_from_timeline(PROFILE4, events[-1:])
+
+
 def _engine_steps(rank, cpu_s, task_steps, work):
     """One rank's timeline: engine-cpu events at ts 0, 10, 20, ... (the first is start-up)
     with ``cpu_s``/``task_steps`` each, and ``work`` (wall us, CPU us) encode spans per step

@@ -263,9 +263,12 @@ def test_synthetic_benchmark_runs_each_configuration():
     assert re.search(r"onebit: .* mean compression ratio over tensors x([\d.]+)", proc.stdout)
 
 
-@pytest.mark.parametrize("model", ["resnet50", "vgg19"])
+@pytest.mark.parametrize("model", ["resnet50", "vgg19", "bert-base"])
 def test_example_models_match_gradient_tables(model):
-    """models.py's ResNet-50 / VGG-19 carry the names and shapes of hipress/data/gradients."""
+    """models.py's ResNet-50 / VGG-19 / BERT-base carry hipress/data/gradients' names and shapes.
+
+    BERT-base has a sequence classifier on top of the table's encoder and pooler.
+    """
     import importlib.util
     import json
 
@@ -277,4 +280,46 @@ def test_example_models_match_gradient_tables(model):
             json.loads((table / f"{model}.json").read_text())["gradients"]]
     with torch.device("meta"):  # shapes only, no memory
         net = models.build_model(model)
-    assert [(n, list(p.shape)) for n, p in net.named_parameters()] == want
+    got = [(n, list(p.shape)) for n, p in net.named_parameters()]
+    if model == "bert-base":
+        assert got[len(want):] == [("classifier.weight", [2, 768]), ("classifier.bias", [2])]
+        got = got[:len(want)]
+    assert got == want
+
+
+def test_bert_base_trains_on_synthetic_tokens():
+    """A small BERT (2 layers) from models.py learns a fixed synthetic batch.
+
+    Checks the forward's shapes and dtypes (int64 token ids in, float32 logits out), that
+    every parameter gets a gradient (embeddings, attention, feed-forward, pooler,
+    classifier) and that the loss falls over a few SGD steps.
+    """
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_models", EXAMPLES / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    torch.manual_seed(0)
+    net = models.BertBase(num_classes=3, vocab=100, hidden=32, layers=2, heads=4, ffn=64,
+                          max_positions=16)
+    x, y = models.synthetic_batch("bert-base", 6, 3, torch.Generator().manual_seed(1),
+                                  seq_len=16)
+    assert x.dtype == torch.int64 and x.shape == (6, 16) and int(x.max()) < models.BERT_VOCAB
+    x = x % 100  # this small model's vocabulary
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        out = net(x)
+        assert out.shape == (6, 3) and out.dtype == torch.float32
+        loss = torch.nn.functional.cross_entropy(out, y)
+        loss.backward()
+        if not losses:
+            # token type 1 never occurs, so only its row stays without gradient
+            missing = [n for n, p in net.named_parameters()
+                       if p.grad is None or (not torch.any(p.grad != 0)
+                                             and n != "embeddings.token_type_embeddings.weight")]
+            assert not missing, missing
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0], losses

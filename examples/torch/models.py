@@ -8,14 +8,19 @@
 - :func:`vgg19`: VGG-19 (Simonyan & Zisserman, 2015) with the naming of
   ``hipress/data/gradients/vgg19.json``: ``features.<i>`` is the i-th convolution (0..15)
   and ``classifier.<i>`` the i-th linear layer (0..2).
+- :func:`bert_base`: the BERT-base encoder with its pooler (Devlin et al., 2019; 12 layers,
+  hidden size 768, 12 heads, vocabulary 30522) with Hugging Face's parameter names, so
+  its parameters match ``hipress/data/gradients/bert-base.json`` name for name, plus a
+  linear ``classifier`` on the pooled output (sequence classification).
 
-``build_model(name)`` returns one by name (``MODELS`` lists them) and ``input_shape(name)``
-the shape of one input image.
+``build_model(name)`` returns one by name (``MODELS`` lists them), ``input_shape(name)``
+the shape of one input (an image; for BERT a sequence of token ids) and
+``synthetic_batch(name, ...)`` a random batch of inputs and labels.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Type, Union
+from typing import Callable, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -198,17 +203,194 @@ def vgg19(num_classes: int = 1000) -> VGG19:
     return VGG19(num_classes)
 
 
+# -------------------------------------------------------------------------------- BERT
+class BertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, then LayerNorm (eps 1e-12)."""
+
+    def __init__(self, vocab: int, hidden: int, max_positions: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+        self.position_embeddings = nn.Embedding(max_positions, hidden)
+        self.token_type_embeddings = nn.Embedding(2, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=1e-12)  # noqa: N815 (HF's name)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """(batch, seq) int64 token ids -> (batch, seq, hidden) float32."""
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = (self.word_embeddings(ids) + self.position_embeddings(pos)
+             + self.token_type_embeddings(torch.zeros_like(ids)))
+        return self.LayerNorm(x)
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head scaled dot-product self-attention (separate query, key, value maps)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, seq, hidden); every token attends to all."""
+        b, t, h = x.shape
+
+        def split(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, self.heads, h // self.heads).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)),
+                                             split(self.value(x)))
+        return out.transpose(1, 2).reshape(b, t, h)
+
+
+class BertDenseNorm(nn.Module):
+    """``LayerNorm(dense(x) + residual)``: BERT's attention and feed-forward outputs."""
+
+    def __init__(self, d_in: int, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_in, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=1e-12)  # noqa: N815 (HF's name)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, d_in) and a (batch, seq, hidden) residual -> (batch, seq, hidden)."""
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class BertAttention(nn.Module):
+    """Self-attention and its output projection (``attention.self``, ``attention.output``)."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(hidden, heads)
+        self.output = BertDenseNorm(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, seq, hidden)."""
+        return self.output(self.self(x), x)
+
+
+class BertIntermediate(nn.Module):
+    """The feed-forward block's first linear layer and GELU."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, ffn)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, seq, ffn)."""
+        return F.gelu(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    """One transformer encoder layer (post-LayerNorm, as in BERT)."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.attention = BertAttention(hidden, heads)
+        self.intermediate = BertIntermediate(hidden, ffn)
+        self.output = BertDenseNorm(ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, seq, hidden)."""
+        x = self.attention(x)
+        return self.output(self.intermediate(x), x)
+
+
+class BertEncoder(nn.Module):
+    """A stack of :class:`BertLayer` (``encoder.layer.<i>``)."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, ffn: int) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList([BertLayer(hidden, heads, ffn) for _ in range(layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, seq, hidden)."""
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+class BertPooler(nn.Module):
+    """``tanh(dense(first token))``."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, hidden)."""
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertBase(nn.Module):
+    """BERT-base for sequence classification: embeddings, 12 layers, pooler, classifier.
+
+    109.5M parameters in 199 tensors before the classifier (``bert-base.json``; the
+    word embedding alone is 30522 x 768, 89.4 MiB of float32), plus ``classifier.weight``
+    (num_classes x 768) and ``classifier.bias``. No dropout and no attention mask (every
+    token is real), so a step is deterministic given its inputs. Input: token ids, int64,
+    shape (batch, seq_len) with seq_len <= 512; every token has token type 0.
+    """
+
+    def __init__(self, num_classes: int = 2, vocab: int = 30522, hidden: int = 768,
+                 layers: int = 12, heads: int = 12, ffn: int = 3072,
+                 max_positions: int = 512) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.embeddings = BertEmbeddings(vocab, hidden, max_positions)
+        self.encoder = BertEncoder(layers, hidden, heads, ffn)
+        self.pooler = BertPooler(hidden)
+        self.classifier = nn.Linear(hidden, num_classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Return logits of shape (batch, num_classes) for token ids of shape (batch, seq)."""
+        return self.classifier(self.pooler(self.encoder(self.embeddings(ids))))
+
+
+def bert_base(num_classes: int = 2) -> BertBase:
+    """Return BERT-base with a ``num_classes``-way classifier on the pooled output."""
+    return BertBase(num_classes)
+
+
 MODELS: Dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": DigitsCNN,
     "resnet18": resnet18,
     "resnet50": resnet50,
     "vgg19": vgg19,
+    "bert-base": bert_base,
 }
+#: BERT-base's vocabulary (WordPiece, uncased)
+BERT_VOCAB = 30522
+#: sequence length of BERT's synthetic inputs when none is given
+BERT_SEQ_LEN = 64
 
 
-def input_shape(name: str, image_size: int = 224) -> tuple:
-    """Return the (channels, height, width) of one input image of model ``name``."""
+def input_shape(name: str, image_size: int = 224, seq_len: int = BERT_SEQ_LEN) -> tuple:
+    """Return the shape of one input of model ``name``.
+
+    (channels, height, width) of an image; for ``bert-base`` (seq_len,) token ids.
+    """
+    if name == "bert-base":
+        return (seq_len,)
     return (1, 8, 8) if name == "digits_cnn" else (3, image_size, image_size)
+
+
+def synthetic_batch(name: str, batch_size: int, num_classes: int, generator: torch.Generator,
+                    image_size: int = 224, seq_len: int = BERT_SEQ_LEN
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Return random inputs and labels for model ``name`` (benchmarks, no real data).
+
+    Images: float32 of shape (batch_size, C, H, W), standard normal. BERT: int64
+    token ids of shape (batch_size, seq_len), uniform over the vocabulary. Labels: int64
+    of shape (batch_size,), uniform in [0, num_classes).
+    """
+    shape = input_shape(name, image_size, seq_len)
+    if name == "bert-base":
+        x = torch.randint(0, BERT_VOCAB, (batch_size, *shape), generator=generator)
+    else:
+        x = torch.randn(batch_size, *shape, generator=generator)
+    return x, torch.randint(0, num_classes, (batch_size,), generator=generator)
 
 
 def build_model(name: str, **kwargs: int) -> nn.Module:

@@ -32,7 +32,7 @@ import hipress.torch as hp
 from hipress.adapter_common import parse_params
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from models import MODELS, build_model, input_shape  # noqa: E402
+from models import MODELS, build_model, input_shape, synthetic_batch  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -73,8 +73,8 @@ def benchmark(args, model, compression: str, device: torch.device) -> float:
     )
     hp.broadcast_parameters(model.state_dict(), root_rank=0)
     g = torch.Generator().manual_seed(hp.rank())
-    data = torch.randn(args.batch_size, *input_shape(args.model, args.image_size), generator=g)
-    target = torch.randint(0, args.num_classes, (args.batch_size,), generator=g)
+    data, target = synthetic_batch(args.model, args.batch_size, args.num_classes, g,
+                                   image_size=args.image_size)
     data, target = data.to(device), target.to(device)
 
     def step():

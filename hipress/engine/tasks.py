@@ -648,7 +648,8 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     i = 0
     sent = 0
     while True:
-        step = yield Compute(_stage_step, (env, job.name, stages, value, i))
+        step = yield Compute(_stage_step, (env, job.name, stages, value, i, codec.name,
+                                           int(job.flat.size)))
         if step[0] == "done":
             result, feedback = step[1]
             break
@@ -673,9 +674,16 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     job.part_done()
 
 
-def _stage_step(env: TaskEnv, name: str, stages: Generator, value: Any, i: int) -> Tuple:
-    """Run a codec's reduce_stages up to its next reduction (on the compute pool)."""
-    with env.timeline.span("encode" if i == 0 else "stage", gradient=name, stage=i):
+def _stage_step(env: TaskEnv, name: str, stages: Generator, value: Any, i: int,
+                codec: str, numel: int) -> Tuple:
+    """Run a codec's reduce_stages up to its next reduction (on the compute pool).
+
+    Its timeline span (``encode`` for stage 0, then ``stage``) names the codec and the
+    gradient's elements, so that a refit (:func:`hipress.secopa.profile.refit_from_timeline`)
+    can price a gradient's stages together against the profile's ``stages`` fit.
+    """
+    with env.timeline.span("encode" if i == 0 else "stage", gradient=name, stage=i,
+                           codec=codec, numel=numel):
         try:
             return ("stage", stages.send(value))
         except StopIteration as stop:

@@ -1193,7 +1193,8 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     ``encode`` plus, with error feedback, ``decode`` and ``ef``; decode: ``decode`` +
     ``write``; decode+merge of P payloads: P ``merge``; the aggregator's fused
     ``merge+encode`` of P payloads: P ``merge`` and an encode, its ratio counted for
-    ``merge``), and scales each codec's fits by the median of those ratios
+    ``merge``; the compressed allreduce's ``reduce_stages`` spans of one gradient and
+    step, summed: ``stages``), and scales each codec's fits by the median of those ratios
     (:meth:`Fit.scaled`: the per-byte slopes, which dominate large gradients), ``ef`` and
     ``write`` by the encode and decode factors of the codec seen most. ``round_s`` becomes
     the median interval between the timeline's negotiation rounds (rank 0's),
@@ -1231,11 +1232,35 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     events = trace_events(trace)
     rounds = sorted(float(e.get("ts", 0.0)) for e in events
                     if e.get("name") == "negotiate" and e.get("pid", 0) == 0)
+    # a compressed allreduce's reduce_stages spans (``stage`` in their args), summed per
+    # gradient and step: (rank, gradient) -> [codec, numel, CPU s] of the current step's
+    stage_sums: Dict[Tuple[Any, str], List[Any]] = {}
+    stage_groups: List[List[Any]] = []
+    for ev in sorted(events, key=lambda e: (str(e.get("pid", 0)), float(e.get("ts", 0.0)))):
+        args = ev.get("args") or {}
+        if ev.get("name") not in ("encode", "stage") or "stage" not in args:
+            continue
+        name, numel = args.get("codec"), args.get("numel")
+        if not name or not isinstance(numel, (int, float)) or numel < 1:
+            continue  # a timeline of an older version: its stages name no codec
+        dur = float(args["cpu_us"] if "cpu_us" in args else ev.get("dur", 0.0)) * 1e-6
+        key = (ev.get("pid", 0), str(args.get("gradient")))
+        if args.get("stage") == 0 or key not in stage_sums:
+            stage_sums[key] = [str(name), float(numel), 0.0]
+            stage_groups.append(stage_sums[key])
+        stage_sums[key][2] += dur
+    for name, numel, dur in stage_groups:
+        seen[name] = seen.get(name, 0) + 1
+        cp = by_name.get(name)
+        pred = cp.stages(4.0 * numel) if cp is not None and cp.stages is not None else 0.0
+        if pred > 0 and dur > 0:
+            ratios.setdefault((name, "stages"), []).append(dur / pred)
     for ev in events:
         op = _SPAN_OPS.get(str(ev.get("name")))
         args = ev.get("args") or {}
         name, numel = args.get("codec"), args.get("numel")
-        if op is None or not name or not isinstance(numel, (int, float)) or numel < 1:
+        if (op is None or not name or not isinstance(numel, (int, float)) or numel < 1
+                or "stage" in args):
             continue
         if op == "decode" and args.get("reused"):
             continue  # only stored: its own payload's decode was reused
@@ -1260,7 +1285,8 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
             ratios.setdefault((str(name), op), []).append(dur / pred)
     if not ratios:
         raise ProfileError(
-            "the timeline has no encode/decode spans of a codec this profile knows (found "
+            "the timeline has no codec spans (encode, decode, merge, stages) of a codec this "
+            "profile knows (found "
             f"{', '.join(f'{k} x{v}' for k, v in sorted(seen.items())) or 'none'}; profile "
             f"has {', '.join(sorted({c.name for c in profile.codecs.values()})) or 'none'}). "
             "Write the timeline with this HiPress version (timeline: trace.json) and profile "
@@ -1273,9 +1299,9 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
         report[f"{name}/{op}"] = {"spans": len(rs), "factor": med, "p20": p20, "p80": p80}
     codecs = {}
     for key, cp in profile.codecs.items():
-        upd = {op: getattr(cp, op).scaled(factor[cp.name, op]) for op in ("encode", "decode",
-                                                                          "merge")
-               if (cp.name, op) in factor}
+        upd = {op: getattr(cp, op).scaled(factor[cp.name, op])
+               for op in ("encode", "decode", "merge", "stages")
+               if (cp.name, op) in factor and getattr(cp, op) is not None}
         codecs[key] = cp.model_copy(update=upd)
     main = max((n for n, _ in factor), key=lambda n: sum(
         len(ratios.get((n, op), [])) for op in _SPAN_OPS.values()))
