@@ -263,18 +263,25 @@ def test_synthetic_benchmark_runs_each_configuration():
     assert re.search(r"onebit: .* mean compression ratio over tensors x([\d.]+)", proc.stdout)
 
 
+def _example_models():
+    """Import examples/torch/models.py (not a package) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("example_models", EXAMPLES / "models.py")
+    models = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(models)
+    return models
+
+
 @pytest.mark.parametrize("model", ["resnet50", "vgg19", "bert-base"])
 def test_example_models_match_gradient_tables(model):
     """models.py's ResNet-50 / VGG-19 / BERT-base carry hipress/data/gradients' names and shapes.
 
     BERT-base has a sequence classifier on top of the table's encoder and pooler.
     """
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("example_models", EXAMPLES / "models.py")
-    models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(models)
+    models = _example_models()
     table = Path(__file__).resolve().parent.parent / "hipress" / "data" / "gradients"
     want = [(g["name"], g["shape"]) for g in
             json.loads((table / f"{model}.json").read_text())["gradients"]]
@@ -294,11 +301,7 @@ def test_bert_base_trains_on_synthetic_tokens():
     every parameter gets a gradient (embeddings, attention, feed-forward, pooler,
     classifier) and that the loss falls over a few SGD steps.
     """
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("example_models", EXAMPLES / "models.py")
-    models = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(models)
+    models = _example_models()
     torch.manual_seed(0)
     net = models.BertBase(num_classes=3, vocab=100, hidden=32, layers=2, heads=4, ffn=64,
                           max_positions=16)

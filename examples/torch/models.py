@@ -204,6 +204,12 @@ def vgg19(num_classes: int = 1000) -> VGG19:
 
 
 # -------------------------------------------------------------------------------- BERT
+#: BERT-base's vocabulary (WordPiece, uncased)
+BERT_VOCAB = 30522
+#: sequence length of BERT's synthetic inputs when none is given
+BERT_SEQ_LEN = 64
+
+
 class BertEmbeddings(nn.Module):
     """Word + position + token-type embeddings, then LayerNorm (eps 1e-12)."""
 
@@ -333,7 +339,7 @@ class BertBase(nn.Module):
     shape (batch, seq_len) with seq_len <= 512; every token has token type 0.
     """
 
-    def __init__(self, num_classes: int = 2, vocab: int = 30522, hidden: int = 768,
+    def __init__(self, num_classes: int = 2, vocab: int = BERT_VOCAB, hidden: int = 768,
                  layers: int = 12, heads: int = 12, ffn: int = 3072,
                  max_positions: int = 512) -> None:
         super().__init__()
@@ -360,10 +366,6 @@ MODELS: Dict[str, Callable[..., nn.Module]] = {
     "vgg19": vgg19,
     "bert-base": bert_base,
 }
-#: BERT-base's vocabulary (WordPiece, uncased)
-BERT_VOCAB = 30522
-#: sequence length of BERT's synthetic inputs when none is given
-BERT_SEQ_LEN = 64
 
 
 def input_shape(name: str, image_size: int = 224, seq_len: int = BERT_SEQ_LEN) -> tuple:

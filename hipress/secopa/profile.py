@@ -1180,6 +1180,21 @@ def trace_events(trace: Any) -> List[Dict[str, Any]]:
     return [e for e in events if isinstance(e, dict) and e.get("ph") == "X"]
 
 
+def _codec_span(ev: Dict[str, Any]) -> Optional[Tuple[str, float, float]]:
+    """Return ``(codec, numel, seconds)`` of a codec's work span, or None if it names none.
+
+    The seconds are the span's CPU time where recorded (``cpu_us``: what the kernels
+    cost; the wall time a shared core stretches it to is the ``cpu_share_*`` of
+    :func:`fit_cpu_shares`), else its duration (timelines of older versions).
+    """
+    args = ev.get("args") or {}
+    name, numel = args.get("codec"), args.get("numel")
+    if not name or not isinstance(numel, (int, float)) or numel < 1:
+        return None
+    dur = float(args["cpu_us"] if "cpu_us" in args else ev.get("dur", 0.0)) * 1e-6
+    return str(name), float(numel), dur
+
+
 def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple[
         Profile, Dict[str, Dict[str, Any]]]:
     """Scale a profile's compute costs to what a real job's timeline measured.
@@ -1238,15 +1253,13 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     stage_groups: List[List[Any]] = []
     for ev in sorted(events, key=lambda e: (str(e.get("pid", 0)), float(e.get("ts", 0.0)))):
         args = ev.get("args") or {}
-        if ev.get("name") not in ("encode", "stage") or "stage" not in args:
-            continue
-        name, numel = args.get("codec"), args.get("numel")
-        if not name or not isinstance(numel, (int, float)) or numel < 1:
-            continue  # a timeline of an older version: its stages name no codec
-        dur = float(args["cpu_us"] if "cpu_us" in args else ev.get("dur", 0.0)) * 1e-6
+        span = _codec_span(ev)
+        if ev.get("name") not in ("encode", "stage") or "stage" not in args or span is None:
+            continue  # (span None: a timeline of an older version, its stages name no codec)
+        name, numel, dur = span
         key = (ev.get("pid", 0), str(args.get("gradient")))
         if args.get("stage") == 0 or key not in stage_sums:
-            stage_sums[key] = [str(name), float(numel), 0.0]
+            stage_sums[key] = [name, numel, 0.0]
             stage_groups.append(stage_sums[key])
         stage_sums[key][2] += dur
     for name, numel, dur in stage_groups:
@@ -1258,17 +1271,17 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
     for ev in events:
         op = _SPAN_OPS.get(str(ev.get("name")))
         args = ev.get("args") or {}
-        name, numel = args.get("codec"), args.get("numel")
-        if (op is None or not name or not isinstance(numel, (int, float)) or numel < 1
-                or "stage" in args):
+        span = _codec_span(ev)
+        if op is None or span is None or "stage" in args:
             continue
+        name, numel, dur = span
         if op == "decode" and args.get("reused"):
             continue  # only stored: its own payload's decode was reused
-        seen[str(name)] = seen.get(str(name), 0) + 1
-        cp = by_name.get(str(name))
+        seen[name] = seen.get(name, 0) + 1
+        cp = by_name.get(name)
         if cp is None:
             continue
-        x = 4.0 * float(numel)
+        x = 4.0 * numel
         if op == "encode":
             pred = cp.encode(x) + (cp.decode(x) + profile.ef(x) if args.get("feedback") else 0.0)
         elif op == "decode":
@@ -1278,11 +1291,8 @@ def refit_from_timeline(profile: Profile, trace: Any, source: str = "") -> Tuple
             if ev.get("name") == "merge+encode":  # a fused pass: the re-encode too
                 pred += cp.encode(x) + (cp.decode(x) + profile.ef(x)
                                         if args.get("feedback") else 0.0)
-        # the span's CPU time where recorded: what the kernels cost; the wall time a
-        # shared core stretches it to is the cpu_share_* below
-        dur = float(args["cpu_us"] if "cpu_us" in args else ev.get("dur", 0.0)) * 1e-6
         if pred > 0 and dur > 0:
-            ratios.setdefault((str(name), op), []).append(dur / pred)
+            ratios.setdefault((name, op), []).append(dur / pred)
     if not ratios:
         raise ProfileError(
             "the timeline has no codec spans (encode, decode, merge, stages) of a codec this "
