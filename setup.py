@@ -56,6 +56,7 @@ setup(
         "numba>=0.56",
         "lark>=1.1",
         "Jinja2>=3.0",
+        "threadpoolctl>=3.1",
     ],
     extras_require={
         "torch": TORCH_REQUIRES,

@@ -25,10 +25,17 @@ and codec:
    on the ``threshold`` policy (its measured step less its predicted delay), so that
    row's step prediction is exact by construction and the others are predictions.
 
+With ``--sync-only`` the jobs do not train: every step submits the gradients of one
+backward pass all at once (last layer first, ``hipress.allreduce_async``) and waits for
+them (``bench/train_e2e_worker.py --sync-only``), so the measured step is the
+synchronization alone and the model predicts it from arrivals that all lie within the
+submission loop's few milliseconds. Its files are named ``<model>-<codec>-<rate>-sync``.
+
 Usage (root, for the network namespaces)::
 
     python bench/secopa_pipeline.py --model resnet50 --codec onebit
     python bench/secopa_pipeline.py --model vgg19 --codec onebit --iters 3
+    python bench/secopa_pipeline.py --model vgg19 --codec onebit --sync-only
 
 ``--analyse-only`` (same arguments and ``--out``) runs nothing and analyses the jobs an
 earlier run left there again.
@@ -72,6 +79,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of the four policies (interleaved); medians over rounds")
+    p.add_argument("--sync-only", action="store_true",
+                   help="no training: each step synchronizes one backward pass's gradients")
     p.add_argument("--profile-budget", type=float, default=40.0)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--job-timeout", type=float, default=900.0)
@@ -173,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobdir = out / "jobs"
     jobdir.mkdir(parents=True, exist_ok=True)
     rate = "local" if args.local else args.rate
-    tag = f"{args.model}-{args.codec}-{rate}"
+    tag = f"{args.model}-{args.codec}-{rate}" + ("-sync" if args.sync_only else "")
     if args.local or args.analyse_only:
         return run_all(args, Runner(args, None, dict(os.environ), jobdir), out, tag)
     from hipress.testing.emucluster import EmulatedCluster, namespaces_unavailable
@@ -227,7 +236,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             args.model, "--batch-size", str(args.batch_size), "--image-size",
             str(args.image_size), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
             "--iters", str(args.iters),
-            "--codec", codec, "--strategy", args.strategy, "--json", str(prefix)],
+            "--codec", codec, "--strategy", args.strategy, "--json", str(prefix)]
+            + (["--sync-only"] if args.sync_only else []),
             dict(env, HIPRESS_TIMELINE=str(trace)))
         return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts)}
 
@@ -281,8 +291,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
                                "step_s_runs": [j["step_s"] for j in runs]}
         if ok:
             ms = [measured(j["trace"], args.warmup) for j in ok]
-            sims = [simulate(model, m["arrivals"], choices[policy], codec, plan_file.feedback)
-                    for m in ms]
+            sims = [simulate(model, m["arrivals"], choices[policy], codec, plan_file.feedback,
+                             shapes=dict(grads)) for m in ms]
             row.update(step_s=statistics.median(j["step_s"] for j in ok),
                        measured_exposed_s=statistics.median(m["exposed_s"] for m in ms),
                        backward_s=statistics.median(m["backward_s"] for m in ms),
@@ -301,7 +311,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
             "rate": "local" if args.local else args.rate, "hosts": args.hosts,
             "batch_size": args.batch_size, "image_size": args.image_size,
-            "seq_len": args.seq_len,
+            "seq_len": args.seq_len, "sync_only": args.sync_only,
             "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
             "load_start": load_start, "compute_floor_s": floor,
             "wire_cpu_ns_per_byte": refit.wire_cpu_s_per_byte * 1e9,
@@ -310,7 +320,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             "plan_predicted_delay_ms": plan_file.predicted_delay_ms,
             "argv": sys.argv[1:]}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"SeCoPa pipeline model vs training: {args.model}, {args.codec} "
+    lines = [f"SeCoPa pipeline model vs {'synchronization only' if args.sync_only else 'training'}"
+             f": {args.model}, {args.codec} "
              f"({args.strategy}), {args.hosts} hosts at {meta['rate']}, load {load_start} -> "
              f"{meta['load_end']}; refit factors "
              + ", ".join(f"{k} {v['factor']:.2f}" for k, v in report.items() if "factor" in v)

@@ -26,6 +26,12 @@ the wall time of a plain ``torch.optim.SGD.step()`` on the same parameters (the 
 optimizer update). TensorFlow steps are timed between consecutive
 ``on_train_batch_end`` callbacks (one whole ``model.fit`` step).
 
+With ``--sync-only`` (hipress only) nothing trains: one backward pass before the loop
+gives the gradients, and each step submits them all at once (``hipress.allreduce_async``
+with the job's policy, ``codec="auto"``, last layer first), waits for them and calls
+``hipress.step()``; ``compute`` is then about zero and ``step`` is the synchronization
+(``bench/secopa_pipeline.py --sync-only``).
+
 Each rank writes ``<--json>.rank<R>.json``; the driver merges them.
 """
 
@@ -92,8 +98,14 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra HiPress config key for hipress.init (dotted, e.g. "
                    "sync.cycle_time_ms=5; the value is read as YAML); repeatable")
+    p.add_argument("--sync-only", action="store_true",
+                   help="hipress only: no training; every step synchronizes the gradients "
+                   "of one backward pass (all submitted at once, last layer first)")
     p.add_argument("--json", required=True, help="output prefix: <json>.rank<R>.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sync_only and args.system != "hipress":
+        p.error("--sync-only works with --system hipress only")
+    return args
 
 
 # ----------------------------------------------------------------------------- CPU time
@@ -285,7 +297,22 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
             host, port = args.master.split(":")
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=host,
                               MASTER_PORT=port)
-        if args.codec.endswith("!"):
+        if args.sync_only:
+            # the gradients of one backward pass; each step submits them all at once, in
+            # backward order (the last layer first) under the job's compression policy
+            # (codec="auto", as the optimizer wrapper submits), waits and ends the step
+            hp.init(**base, **{"compression.algorithm": codec})
+            F.cross_entropy(net(x), y).backward()
+            grads = [(n, p.grad.numpy()) for n, p in reversed(list(model.named_parameters()))
+                     if p.requires_grad]
+
+            def step() -> None:
+                handles = [hipress.allreduce_async(a, n, codec="auto") for n, a in grads]
+                for h in handles:
+                    hipress.synchronize(h)
+                hipress.step()
+
+        elif args.codec.endswith("!"):
             hp.init(**base)
             opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                           compression=codec)
@@ -293,7 +320,8 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
             hp.init(**base, **{"compression.algorithm": codec})
             opt = hp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
         hp.broadcast_parameters(model.state_dict(), root_rank=0)
-        step = opt.step
+        if not args.sync_only:
+            step = opt.step
 
         def finish() -> None:
             info.update(hipress_paths(hipress.stats()))
@@ -305,9 +333,10 @@ def run_torch(args: argparse.Namespace, rank: int, world: int) -> Dict[str, Any]
     loss = torch.zeros(())
     for _ in range(warm + args.iters):
         clock.start()
-        opt.zero_grad()
-        loss = F.cross_entropy(net(x), y)
-        loss.backward()
+        if not args.sync_only:
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
         t_bwd = time.perf_counter()
         step()
         t_end = time.perf_counter()

@@ -335,6 +335,12 @@ class SyncConfig(BaseModel):
             step: at 2 ranks on 2 cores the ResNet-50 core took 175 ms with one thread and
             103-118 ms inline (onebit), and 4-rank training stepped 7-11% faster inline.
             More threads can pay where cores outnumber ranks several times over.
+        blas_threads: threads of NumPy's BLAS library while the engine runs (the
+            process-wide setting; restored at shutdown); 0 keeps the library's own
+            (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS`` or one per core). Default 1:
+            matrix codecs (PowerSGD) run on the engine's compute server, and with several
+            ranks per machine a BLAS thread per core and rank made each product 4-25x
+            slower (see :mod:`hipress.engine.blas`).
         plan: ``none``, ``auto`` or the path of a SeCoPa plan file.
     """
 
@@ -348,6 +354,7 @@ class SyncConfig(BaseModel):
     stall_warning_s: float = Field(60.0, gt=0, allow_inf_nan=False)
     stall_shutdown_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     compute_threads: int = Field(0, ge=0)
+    blas_threads: int = Field(1, ge=0)
     plan: str = Field("none", min_length=1)
 
     @model_validator(mode="before")

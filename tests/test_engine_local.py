@@ -223,3 +223,18 @@ def test_engine_imports_no_secopa_and_refuses_a_plan_without_a_planner():
         True, 4, "ps")
     assert policy.decide("g", np.zeros(1000, np.float32), None, "ps") == Decision(
         False, 1, "ps")
+
+
+def test_limit_numpy_blas_sets_and_restores_the_count():
+    from hipress.engine.blas import limit_numpy_blas, numpy_blas_threads
+
+    before = numpy_blas_threads()
+    assert before and all(n >= 1 for n in before)  # the wheel's OpenBLAS is found
+    restore = limit_numpy_blas(1)
+    assert numpy_blas_threads() == [1] * len(before)
+    restore()
+    assert numpy_blas_threads() == before
+    limit_numpy_blas(0)()  # 0 changes nothing, and its restore does nothing
+    assert numpy_blas_threads() == before
+    with pytest.raises(ValueError, match="blas_threads must be >= 0"):
+        limit_numpy_blas(-1)

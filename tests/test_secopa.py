@@ -756,10 +756,46 @@ def test_simulation_charges_engine_work_and_the_wire_during_the_backward_pass():
     m = FUSION_HOLD_BYTES // 4 * 8
     unc = simulate(model, [("u", m, 0.0), ("z", 1, 100.0)], {}, onebit)
     assert unc.backward_cpu_s == pytest.approx(1e-9 * 4 * m)
-    assert unc.compute_busy_s == 0.0
+    # ... and after the pass the wire's CPU of the flushed 1-element buffer keeps the
+    # compute server busy (share of a core 1 here): 4 bytes' worth
+    assert unc.compute_busy_s == pytest.approx(1e-9 * 4)
+    # all at once (synchronization alone): a big uncompressed transfer that starts first
+    # delays the codec work behind it by its wire CPU
+    both = [("u", m, 0.0), ("a", n, 0.0)]
+    alone = simulate(model, [("a", n, 0.0)], ch, onebit, True)
+    shared = simulate(model, both, ch, onebit, True)
+    assert shared.compute_busy_s == pytest.approx(alone.compute_busy_s + 1e-9 * 4 * m)
+    assert shared.finish_s["a"] >= alone.finish_s["a"] + 1e-9 * 4 * m - 1e-12
     # without a wire cost (a profile of an older version) the transfer takes no CPU
     assert simulate(CostModel(PROFILE4, 4), [("u", m, 0.0), ("z", 1, 100.0)], {},
                     onebit).backward_cpu_s == 0.0
+
+
+def test_simulation_prices_powersgd_on_the_engines_path_and_the_gradients_shape():
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import simulate
+
+    psgd, model = get_codec("powersgd", rank=1), CostModel(PROFILE4, 4)
+    shape = (1024, 2048)
+    n = shape[0] * shape[1]
+    arr = [("w", n, 0.0), ("z", 1, 5.0)]
+    real = model.compressed(psgd, n, "allreduce", 1, True, shape)
+    flat = model.compressed(psgd, n, "allreduce", 1, True)
+    # the payload of the matrix view is (m + n) * rank floats (and a small header); flat,
+    # the whole gradient
+    assert 4 * (1024 + 2048) <= model.payload_shaped(psgd, shape) < 4 * (1024 + 2048) + 64
+    assert real.network_s < flat.network_s / 10
+    sim = simulate(model, arr, {"w": Decision(True, 1, "allreduce")}, psgd, True,
+                   shapes={"w": shape})
+    assert sim.finish_s["w"] == pytest.approx(real.compute_s + real.network_s)
+    # PowerSGD cannot run under PS: asked for ps with 3 partitions (what the engine's
+    # fixed policy says under sync.strategy ps), it is simulated as the engine runs it
+    asked = simulate(model, arr, {"w": Decision(True, 3, "ps")}, psgd, True,
+                     shapes={"w": shape})
+    assert asked.finish_s == sim.finish_s
+    # without the shape it is priced flat, as an allreduce of the whole gradient
+    unshaped = simulate(model, arr, {"w": Decision(True, 1, "allreduce")}, psgd, True)
+    assert unshaped.finish_s["w"] == pytest.approx(flat.compute_s + flat.network_s)
 
 
 def test_simulation_bulks_small_ps_gradients_of_one_round():
@@ -987,10 +1023,12 @@ def test_plan_follower_auto_profiles_the_configured_codec(monkeypatch):
     calls = {}
     real = runtime.run_profile
 
-    def fake_run_profile(comm, codecs, time_budget_s):
+    def fake_run_profile(comm, codecs, time_budget_s, blas_threads):
         calls["codecs"] = [c.name for c in codecs]
         calls["budget"] = time_budget_s
-        return real(comm, codecs, sizes=[256, 4096], time_budget_s=time_budget_s)
+        calls["blas_threads"] = blas_threads  # the engine's sync.blas_threads (default 1)
+        return real(comm, codecs, sizes=[256, 4096], time_budget_s=time_budget_s,
+                    blas_threads=blas_threads)
 
     monkeypatch.setattr(runtime, "run_profile", fake_run_profile)
     from mpi4py import MPI
@@ -1000,7 +1038,7 @@ def test_plan_follower_auto_profiles_the_configured_codec(monkeypatch):
         {"pattern": "*.bias", "algorithm": "none"}]}, "sync": {"plan": "auto"}})
     f = PlanFollower(cfg, world)
     f.setup()
-    assert calls == {"codecs": ["fp16"], "budget": 0.3}
+    assert calls == {"codecs": ["fp16"], "budget": 0.3, "blas_threads": 1}
     assert f.profile is not None and "fp16" in f.profile.codecs
     # world size 1: compressing never pays
     assert f.decide("w", np.zeros(10**6, np.float32), get_codec("fp16"), None) == (

@@ -47,6 +47,7 @@ from hipress.backend import (
 from hipress.codecs import Codec, get_codec
 from hipress.config import summarize_effective
 from hipress.engine import tasks as T
+from hipress.engine.blas import limit_numpy_blas
 from hipress.engine.planning import FixedPolicy, GradientPlanner
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
 from hipress.errors import (
@@ -274,7 +275,10 @@ class Engine:
         if self.size + 2 > (1 << _SUB_BITS):
             raise HiPressError(f"world size {self.size} exceeds {(1 << _SUB_BITS) - 2}")
         self._thread = threading.Thread(target=self._run, name="hipress-engine", daemon=True)
+        #: restores NumPy's BLAS thread count at shutdown (see hipress.engine.blas)
+        self._restore_blas = limit_numpy_blas(0)  # nothing to restore yet
         if self.size > 1:  # with one rank nothing travels: no thread, no MPI (see _local)
+            self._restore_blas = limit_numpy_blas(config.sync.blas_threads)
             self._thread.start()
 
     # ------------------------------------------------------------------ user side
@@ -617,6 +621,8 @@ class Engine:
         else:
             self._thread.join()
         self._sched.shutdown()
+        self._restore_blas()
+        self._restore_blas = limit_numpy_blas(0)
         with self._lock:
             left = list(self._inflight.values()) + list(self._queue)
             self._inflight.clear()

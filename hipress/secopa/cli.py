@@ -60,6 +60,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="message sizes in bytes (default 4^3 .. 4^13)")
     p.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, metavar="S",
                    help="seconds of measurements")
+    p.add_argument("--blas-threads", type=int, default=1, metavar="N",
+                   help="threads of NumPy's BLAS while measuring, as the engine runs them "
+                        "(sync.blas_threads; 0 = the library's own)")
     p.add_argument("-o", "--output", default="profile.json", metavar="FILE",
                    help="profile file to write (rank 0)")
     p.add_argument("--from-timeline", default=None, metavar="TRACE",
@@ -184,7 +187,7 @@ def _profile(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD.Dup()
     try:
         prof = run_profile(comm, codecs, sizes=args.sizes, comm_sizes=args.comm_sizes,
-                           time_budget_s=args.time_budget)
+                           time_budget_s=args.time_budget, blas_threads=args.blas_threads)
     finally:
         comm.Free()
     if MPI.COMM_WORLD.Get_rank() == 0:

@@ -32,7 +32,11 @@ the **exposed** sync time. This module simulates that, event by event:
 - the compute server gets a share of a core: ``Profile.cpu_share_backward`` while the
   backward pass runs (the cost model's compute costs are already stretched by it) and
   ``Profile.cpu_share_tail`` for work that starts after the last arrival (both 1 in a
-  measured profile; a refit from a job's timeline measures them).
+  measured profile; a refit from a job's timeline measures them);
+- the engine thread also drives the transfers: a transfer that starts after the last
+  arrival keeps the compute server busy for its wire CPU (``Profile.wire_cpu_s_per_byte``
+  per byte, at the tail's share of a core), so 16 MiB sent uncompressed is not free
+  while codec work waits (during the backward pass that CPU is charged as delay below).
 
 Besides the exposed time, the engine's work during the backward pass costs training
 something where the ranks share cores with compute: the CPU seconds it takes then
@@ -53,12 +57,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hipress.codecs import Codec
 from hipress.engine.engine import BULK_MAX_BYTES, FUSION_HOLD_BYTES
 from hipress.engine.planning import Decision
-from hipress.secopa.cost import CostModel
+from hipress.secopa.cost import CostModel, engine_paths
 from hipress.secopa.errors import SeCoPaError
 from hipress.secopa.profile import trace_events
 
@@ -103,7 +107,8 @@ class Simulation:
 
 def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, Decision],
              codec: Optional[Codec], feedback: bool = False,
-             bulk_bytes: int = DEFAULT_BULK_BYTES) -> Simulation:
+             bulk_bytes: int = DEFAULT_BULK_BYTES,
+             shapes: Optional[Mapping[str, Tuple[int, ...]]] = None) -> Simulation:
     """Simulate one iteration's synchronization (see the module docstring).
 
     Args:
@@ -111,11 +116,18 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         arrivals: ``(name, numel, ready_s)`` of every gradient, any order.
         choices: per name, what the plan does with it: the engine's
             :class:`~hipress.engine.planning.Decision` (``compress``, ``partitions``, the
-            path as ``strategy``); missing names go uncompressed.
+            path as ``strategy``); missing names go uncompressed. A strategy the codec
+            cannot run is simulated on the path the engine takes instead
+            (:func:`~hipress.secopa.cost.engine_paths`: PowerSGD asked for ``ps`` runs the
+            compressed allreduce, as the engine's fixed policy has it run).
         codec: the codec of the compressed choices.
         feedback: residual error feedback on (the encode step's cost includes it).
         bulk_bytes: the engine's ``sync.partition_bytes``: the most float32 bytes of one
             bulk group.
+        shapes: per name, the gradient's shape; the compressed allreduce encodes it
+            unflattened (PowerSGD's payload is ``(m + n) * rank`` of its matrix view, the
+            whole gradient for a flat vector), so without it a low-rank codec is priced
+            as if it did not shrink anything.
 
     Returns:
         The :class:`Simulation`.
@@ -148,7 +160,9 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
     def push_compressed(label: str, numel: int, strategy: str, partitions: int,
                         start: float) -> None:
         nonlocal seq
-        cost = model.compressed(codec, numel, strategy, partitions, feedback)
+        shape = (shapes or {}).get(label)
+        cost = model.compressed(codec, numel, strategy, partitions, feedback,
+                                tuple(shape) if shape is not None else None)
         k = max(1, cost.partitions)
         half = cost.compute_s / (2 * k)
         net = cost.network_s / k
@@ -174,6 +188,9 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         if ch.compress and int(numel) >= 1:
             if codec is None:
                 raise SeCoPaError(f"gradient {name!r} is compressed but no codec was given")
+            paths = engine_paths(codec, ch.strategy)
+            if ch.strategy not in paths:
+                ch = Decision(True, ch.partitions, paths[0])
             if (ch.strategy == "ps" and ch.partitions <= 1 and model.N > 1
                     and 4 * int(numel) <= BULK_MAX_BYTES):
                 groups = rounds.setdefault(math.floor(ready / lag) if lag > 0 else ready, [])
@@ -204,7 +221,8 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
     finish: Dict[str, float] = {}
     # the model's compute costs are stretched for the backward pass (CostModel.contention);
     # work that starts after it runs at the tail's share of a core instead
-    tail = model.contention * float(getattr(model.profile, "cpu_share_tail", 1.0) or 1.0)
+    share_tail = float(getattr(model.profile, "cpu_share_tail", 1.0) or 1.0)
+    tail = model.contention * share_tail
     wire_backward = 0.0
     while heap:
         ready, _, res, dur, rest, name, cpu = heapq.heappop(heap)
@@ -214,6 +232,13 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         end = start + dur
         free[res] = end
         busy[res] += dur
+        if res == "net" and cpu > 0 and start >= backward:
+            # after the backward pass the wire's CPU (the engine thread drives MPI) keeps
+            # the compute server from codec work: it is busy that long more (at the
+            # tail's share of a core); during the pass it is counted in backward_cpu_s
+            took = cpu / share_tail
+            free["cpu"] = max(free["cpu"], start) + took
+            busy["cpu"] += took
         if start < backward:
             if res == "cpu":
                 busy_backward += min(end, backward) - start

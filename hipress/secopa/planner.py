@@ -558,11 +558,12 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         ready = {str(a[0]): float(a[2]) for a in arrivals}
         end = max(ready.values(), default=0.0)
         arr = [(nm, n, ready.get(nm, end)) for nm, n in zip(names, numels)]
+        shape_of = dict(zip(names, shapes))
 
         def run(choices: Sequence[Tuple[bool, Cost]]) -> Simulation:
             ch = {nm: Decision(True, c.partitions, c.path) if comp else UNCOMPRESSED
                   for nm, (comp, c) in zip(names, choices)}
-            return simulate(model, arr, ch, codec, fb, partition_bytes)
+            return simulate(model, arr, ch, codec, fb, partition_bytes, shape_of)
 
         # the fixed policies as starts keep rule 2: what does not shrink stays fused
         def rule2(choices: Sequence[Tuple[bool, Cost]]) -> List[Tuple[bool, Cost]]:

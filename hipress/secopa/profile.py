@@ -103,6 +103,7 @@ from pydantic import (
 )
 
 from hipress.codecs import Codec, Payload, get_codec
+from hipress.engine.blas import limit_numpy_blas
 from hipress.secopa.errors import ProfileError, format_validation_error
 
 logger = logging.getLogger(__name__)
@@ -864,6 +865,7 @@ def run_profile(
     time_budget_s: float = DEFAULT_TIME_BUDGET_S,
     comm_sizes: Optional[Sequence[int]] = None,
     seed: int = 0,
+    blas_threads: int = 1,
 ) -> Profile:
     """Measure codecs and message patterns on ``comm`` and fit them (collective).
 
@@ -876,6 +878,8 @@ def run_profile(
             for how it is split and bounded).
         comm_sizes: message sizes in bytes (default :data:`DEFAULT_COMM_SIZES`).
         seed: seed of the random test gradients.
+        blas_threads: threads of NumPy's BLAS while measuring, as the engine sets them
+            (``sync.blas_threads``; 0 keeps the library's); restored afterwards.
 
     Returns:
         The :class:`Profile`, identical on every rank.
@@ -884,6 +888,17 @@ def run_profile(
         ProfileError: a codec failed on some rank (the message names codec, size and
             rank; every rank raises it), or an argument is invalid.
     """
+    restore = limit_numpy_blas(blas_threads)
+    try:
+        return _measure_and_fit(comm, codecs, sizes, time_budget_s, comm_sizes, seed)
+    finally:
+        restore()
+
+
+def _measure_and_fit(comm: Any, codecs: Sequence[Any], sizes: Optional[Sequence[int]],
+                     time_budget_s: float, comm_sizes: Optional[Sequence[int]],
+                     seed: int) -> Profile:
+    """The body of :func:`run_profile` (same arguments, BLAS threads already set)."""
     from mpi4py import MPI
 
     t_start = time.perf_counter()

@@ -119,7 +119,8 @@ class PlanFollower:
             if codecs:
                 comm = self.world.mpi.COMM_WORLD.Dup()
                 try:
-                    self.profile = run_profile(comm, codecs, time_budget_s=self.profile_s)
+                    self.profile = run_profile(comm, codecs, time_budget_s=self.profile_s,
+                                               blas_threads=self.cfg.sync.blas_threads)
                 finally:
                     comm.Free()
                 self._model = CostModel(self.profile, self.size,

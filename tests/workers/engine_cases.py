@@ -847,6 +847,23 @@ def negotiation_allgather_sizes():
     ctrl.Free()
 
 
+@case
+def blas_threads_limited():
+    """NumPy's BLAS runs 1 thread while the engine runs (sync.blas_threads default) and
+    gets back the count it had (OPENBLAS_NUM_THREADS=2, set by the test; OpenBLAS caps it
+    at the core count) at shutdown."""
+    from hipress.engine.blas import numpy_blas_threads
+
+    before = [min(2, os.cpu_count() or 1)]
+    expect = [1] if hp.size() > 1 else before  # one rank: no engine thread, nothing changed
+    assert numpy_blas_threads() == expect, numpy_blas_threads()
+    a = np.arange(12 * 10, dtype=np.float32).reshape(12, 10) + hp.rank()
+    got = hp.synchronize(hp.allreduce_async(a, "blas.w", op="average", codec="powersgd"))
+    assert got.shape == a.shape and np.isfinite(got).all()
+    hp.shutdown()
+    assert numpy_blas_threads() == before, numpy_blas_threads()
+
+
 def hp_rank0():
     return _rank == 0
 
