@@ -197,8 +197,11 @@ def hipress_fn(hp, grads: dict, label: str, codec, strategy):
     names = list(grads)[::-1]  # backward order: last layer first
     codecs = {n: codec if grads[n].nbytes >= MIN_COMPRESS_BYTES else None for n in names}
 
+    # in place (results written into the gradients), as the framework adapters submit
+    # them: a training step does not allocate a fresh output per gradient
     def run():
-        hs = [hp.allreduce_async(grads[n], f"{label}/{n}", codec=codecs[n], strategy=strategy)
+        hs = [hp.allreduce_async(grads[n], f"{label}/{n}", codec=codecs[n], strategy=strategy,
+                                 inplace=True)
               for n in names]
         for h in hs:
             hp.synchronize(h)

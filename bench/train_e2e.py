@@ -254,6 +254,7 @@ def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any
             "engine_cpu_s": _mean([s["engine_cpu_s"] for s in timed]),
             "cpu_s": _mean([s["cpu_s"] for s in timed]),
             "gc_s": _mean([s["gc_s"] for s in timed if "gc_s" in s]),
+            "fault_mib": _mean([s["fault_mib"] for s in timed if "fault_mib" in s]),
             "update_s": r.get("update_s"), "loss": r.get("loss"),
         })
     world = ranks[0]["world"]
@@ -266,7 +267,8 @@ def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any
     row = {"step_s": step, "images_per_s": world * ranks[0]["batch_size"] / step,
            "world": world, "compute_s": avg("compute_s"), "step_call_s": avg("step_call_s"),
            "update_s": avg("update_s"), "engine_cpu_s": avg("engine_cpu_s"),
-           "cpu_s": avg("cpu_s"), "gc_s": avg("gc_s"), "threads": ranks[0]["threads"],
+           "cpu_s": avg("cpu_s"), "gc_s": avg("gc_s"), "fault_mib": avg("fault_mib"),
+           "threads": ranks[0]["threads"],
            "warmup_used": ranks[0]["warmup_used"], "per_rank": per_rank,
            "hosts": sorted({r["host"] for r in ranks})}
     if row["step_call_s"] is not None and row["update_s"] is not None:
@@ -313,7 +315,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
     head = (["model", "link", "system", "codec", "strategy", "path", "images/s", "x floor"]
             + [t for _, t in peers]
             + ["step s", "compute s", "step() s", "update s", "exposed sync s",
-               "over floor s", "engine CPU s/step", "CPU s/step", "GC s/step", "load 1m",
+               "over floor s", "engine CPU s/step", "CPU s/step", "GC s/step",
+               "faulted MiB/step", "load 1m",
                "threads", "rc"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -326,6 +329,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         cells += [fmt(r.get(k)) for k in ("step_s", "compute_s", "step_call_s", "update_s",
                                           "exposed_sync_s", "overhead_vs_floor_s",
                                           "engine_cpu_s", "cpu_s", "gc_s")]
+        cells.append(fmt(r.get("fault_mib"), ".0f"))
         cells += [fmt(r["load"][0], ".2f"), str(r.get("threads", "-")), str(r["rc"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -350,9 +354,10 @@ backward's return to the end of the update (optimizer.step(); mpi-allreduce: fla
 Allreduce + copy back + update); update s = a plain SGD step on the same parameters;
 exposed sync s = step() - update; over floor s = step s - the floor's step s; engine CPU
 = CPU s per step of the threads named hipress*; CPU = process CPU s per step; GC = wall s
-per step in Python's cyclic garbage collector (any thread); load 1m = 1-minute load
-average when the job started. Breakdown figures are means over ranks of per-rank medians
-(CPU, GC: means)."""
+per step in Python's cyclic garbage collector (any thread); faulted MiB = memory faulted
+into the process per step (minor page faults x page size); load 1m = 1-minute load average
+when the job started. Breakdown figures are means over ranks of per-rank medians (CPU, GC,
+faults: means)."""
 
 
 def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool) -> None:
@@ -515,8 +520,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta["load_at_end"] = loadavg()
     write(out, meta, rows, plot=not args.no_plot)
     print(table(rows))
+    png = out / "train_e2e.png"
     print(f"wrote {out / 'train_e2e.json'}, {out / 'train_e2e.md'}, "
-          + ("" if args.no_plot else f"{out / 'train_e2e.png'}, ") + f"{out / 'train_e2e.log'}")
+          + (f"{png}, " if not args.no_plot and png.exists() else "")
+          + f"{out / 'train_e2e.log'}")
     return 0 if all(r.get("images_per_s") is not None for r in rows) else 1
 
 

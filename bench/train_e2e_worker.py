@@ -43,6 +43,7 @@ import gc
 import inspect
 import json
 import os
+import resource
 import socket
 import sys
 import threading
@@ -164,17 +165,33 @@ class GcClock:
             self.total_s += time.perf_counter() - self._start.pop(tid)
 
 
+_PAGE = resource.getpagesize()
+
+
+def minor_faults() -> int:
+    """Return the minor page faults of this process so far (first touches of fresh pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 class StepClock:
-    """Collects per-step wall, CPU, engine-CPU and garbage-collector times."""
+    """Collects per-step wall, CPU, engine-CPU and garbage-collector times and page faults.
+
+    ``fault_mib`` is the memory faulted in during the step (minor faults x page size; a
+    transparent huge page counts once): every fresh page costs the kernel a fault and a
+    zeroing pass, on virtual machines that hand freed memory back to the host also a round
+    trip to the host.
+    """
 
     def __init__(self) -> None:
         self.steps: List[Dict[str, float]] = []
         self._t0 = self._cpu0 = self._eng0 = self._gc0 = 0.0
+        self._flt0 = 0
         self._gc = GcClock()
 
     def start(self) -> None:
         """Mark the start of a step."""
         self._gc0 = self._gc.total_s
+        self._flt0 = minor_faults()
         self._eng0, self._cpu0, self._t0 = engine_cpu_s(), time.process_time(), time.perf_counter()
 
     def stop(self, **phases: float) -> None:
@@ -183,7 +200,9 @@ class StepClock:
         cpu1, eng1 = time.process_time(), engine_cpu_s()
         self.steps.append({"step_s": t1 - self._t0, "cpu_s": cpu1 - self._cpu0,
                            "engine_cpu_s": eng1 - self._eng0,
-                           "gc_s": self._gc.total_s - self._gc0, **phases})
+                           "gc_s": self._gc.total_s - self._gc0,
+                           "fault_mib": (minor_faults() - self._flt0) * _PAGE / 2**20,
+                           **phases})
 
 
 def hipress_paths(stats: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:

@@ -51,6 +51,11 @@ def test_engine_limits_numpy_blas_threads_while_it_runs(np_):
     run_cases(np_, ["blas_threads_limited"], env={"OPENBLAS_NUM_THREADS": "2"})
 
 
+@pytest.mark.parametrize("np_", [1, 3])
+def test_finished_tasks_release_their_arrays(np_):
+    run_cases(np_, ["finished_tasks_release_their_arrays"])
+
+
 @pytest.mark.parametrize("np_", [1, 3, 4])
 def test_every_codec_and_strategy_bit_identical(np_):
     run_cases(np_, ["all_codecs_bit_identical"])

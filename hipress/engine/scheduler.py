@@ -263,6 +263,11 @@ class Scheduler:
                 req = task.gen.send(value)
             except StopIteration:
                 task.gen = None
+                # each _Op points back at its task: without this the pair is a reference
+                # cycle that keeps the last primitives' buffers (views of the gradients,
+                # receive buffers) alive until Python's cyclic GC runs, so the framework
+                # cannot reuse the gradients' memory and faults in fresh pages every step
+                task.ops = []
                 if task.on_done is not None:
                     task.on_done()
                 return

@@ -173,6 +173,47 @@ def inplace_matches_new_array():
 
 
 @case
+def finished_tasks_release_their_arrays():
+    """Once a result is in, the engine holds no reference to the input or result arrays.
+
+    Reference counting alone must free them (the cyclic GC is disabled here): a reference
+    cycle between a finished task and its primitives once kept the gradients' memory alive
+    until the GC ran, so PyTorch could not reuse it and faulted in fresh pages every step.
+    Every path: direct (several partitions), fused, PS, Ring, gather and compressed
+    allreduce, in place and into a new array.
+    """
+    import gc
+    import weakref
+
+    r = hp.rank()
+    cases = [("none", None, 3 << 18), ("none", None, 1000), ("onebit", "ps", 1 << 18),
+             ("onebit", "ring", 1 << 18), ("terngrad", "allreduce", 3000),
+             ("topk", None, 5000), ("powersgd", None, (64, 64))]
+    gc.collect()
+    gc.disable()
+    try:
+        for i, (codec, strategy, shape) in enumerate(cases):
+            c = "none" if codec == "none" else hp_codec(codec, **({"ratio": 0.1}
+                                                                   if codec == "topk" else {}))
+            for inplace in (True, False):
+                g = np.random.default_rng(i + r).standard_normal(shape).astype(np.float32)
+                refs = [weakref.ref(g)]
+                out = hp.allreduce(g, f"rel{i}/{inplace}", codec=c, strategy=strategy,
+                                   inplace=inplace)
+                assert (out is g) == inplace, (codec, strategy, inplace)
+                refs.append(weakref.ref(out))
+                del g, out
+                deadline = time.monotonic() + 5.0  # the engine thread leaves the task
+                while any(ref() is not None for ref in refs) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                alive = [k for k, ref in enumerate(refs) if ref() is not None]
+                assert not alive, (f"{codec}/{strategy} inplace={inplace}: arrays "
+                                   f"{alive} (0 input, 1 result) still referenced 5 s later")
+    finally:
+        gc.enable()
+
+
+@case
 def world1_passthrough():
     """World size 1: every codec returns the input exactly and leaves no residual."""
     if hp.size() != 1:
