@@ -360,8 +360,12 @@ when the job started. Breakdown figures are means over ranks of per-rank medians
 faults: means)."""
 
 
-def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool) -> None:
-    """Write train_e2e.json, train_e2e.md and (unless ``plot`` is False) train_e2e.png."""
+def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool) -> bool:
+    """Write train_e2e.json, train_e2e.md and (unless ``plot`` is False) train_e2e.png.
+
+    Returns:
+        True if the PNG was written (False without ``plot`` or without matplotlib).
+    """
     (out / "train_e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     threads = sorted({str(r.get("threads")) for r in rows if r.get("threads") is not None})
     text = ["# End-to-end training throughput", "",
@@ -376,11 +380,14 @@ def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: boo
     if fail:
         text += ["## Failed jobs", "", fail]
     (out / "train_e2e.md").write_text("\n".join(text) + "\n")
-    if plot:
-        try:
-            plot_rows(rows, out / "train_e2e.png")
-        except ImportError as exc:
-            print(f"!! no plot ({exc}); pip install matplotlib", flush=True)
+    if not plot:
+        return False
+    try:
+        plot_rows(rows, out / "train_e2e.png")
+    except ImportError as exc:
+        print(f"!! no plot ({exc}); pip install matplotlib", flush=True)
+        return False
+    return True
 
 
 def plot_rows(rows: List[Dict[str, Any]], path: Path) -> None:
@@ -518,12 +525,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 run_rate(args, rate, jobs, out, cluster.hosts_arg(), cluster.hosts[0],
                          cluster.env(os.environ), rows, meta)
     meta["load_at_end"] = loadavg()
-    write(out, meta, rows, plot=not args.no_plot)
+    plotted = write(out, meta, rows, plot=not args.no_plot)
     print(table(rows))
-    png = out / "train_e2e.png"
     print(f"wrote {out / 'train_e2e.json'}, {out / 'train_e2e.md'}, "
-          + (f"{png}, " if not args.no_plot and png.exists() else "")
-          + f"{out / 'train_e2e.log'}")
+          + (f"{out / 'train_e2e.png'}, " if plotted else "") + f"{out / 'train_e2e.log'}")
     return 0 if all(r.get("images_per_s") is not None for r in rows) else 1
 
 

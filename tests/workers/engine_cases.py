@@ -122,6 +122,21 @@ def hp_codec(name, **params):
 #: parameters for codecs that have required ones
 PARAMS = {"tbq": {"threshold": 0.5}}
 
+#: (codec name, strategy, shape) for every engine path: the direct uncompressed path
+#: (3 MiB, several partitions, rank-ordered sums), fused small gradients, PS, Ring,
+#: gather (topk) and the compressed allreduce (TernGrad, PowerSGD)
+EVERY_PATH = [("none", None, (3 << 18,)), ("none", None, (1000,)),
+              ("onebit", "ps", (3 << 18,)), ("onebit", "ring", (3 << 18,)),
+              ("topk", None, (5000,)), ("powersgd", None, (64, 64)),
+              ("terngrad", "allreduce", (3000,))]
+
+
+def path_codec(name):
+    """The ``codec`` argument for an :data:`EVERY_PATH` entry (topk at ratio 0.1)."""
+    if name == "none":
+        return "none"
+    return hp_codec(name, **({"ratio": 0.1} if name == "topk" else {}))
+
 
 @case
 def fp16_no_overflow():
@@ -149,13 +164,9 @@ def inplace_matches_new_array():
     r = hp.rank()
     rng = np.random.default_rng(40 + r)
     big = rng.standard_normal(3 << 18).astype(np.float32)
-    cases = [("none", None, big), ("none", None, big[:1000].copy()),
-             ("onebit", "ps", big), ("onebit", "ring", big), ("topk", None, big[:5000].copy()),
-             ("powersgd", None, big[:4096].reshape(64, 64).copy()),
-             ("terngrad", "allreduce", big[:3000].copy())]
-    for i, (codec, strategy, g) in enumerate(cases):
-        c = "none" if codec == "none" else hp_codec(codec, **({"ratio": 0.1}
-                                                               if codec == "topk" else {}))
+    for i, (codec, strategy, shape) in enumerate(EVERY_PATH):
+        g = big[:int(np.prod(shape))].reshape(shape)
+        c = path_codec(codec)
         ref = hp.allreduce(g, f"ip{i}/new", codec=c, strategy=strategy)
         buf = g.copy()
         out = hp.allreduce(buf, f"ip{i}/in", codec=c, strategy=strategy, inplace=True)
@@ -179,22 +190,17 @@ def finished_tasks_release_their_arrays():
     Reference counting alone must free them (the cyclic GC is disabled here): a reference
     cycle between a finished task and its primitives once kept the gradients' memory alive
     until the GC ran, so PyTorch could not reuse it and faulted in fresh pages every step.
-    Every path: direct (several partitions), fused, PS, Ring, gather and compressed
-    allreduce, in place and into a new array.
+    Every path of :data:`EVERY_PATH`, in place and into a new array.
     """
     import gc
     import weakref
 
     r = hp.rank()
-    cases = [("none", None, 3 << 18), ("none", None, 1000), ("onebit", "ps", 1 << 18),
-             ("onebit", "ring", 1 << 18), ("terngrad", "allreduce", 3000),
-             ("topk", None, 5000), ("powersgd", None, (64, 64))]
     gc.collect()
     gc.disable()
     try:
-        for i, (codec, strategy, shape) in enumerate(cases):
-            c = "none" if codec == "none" else hp_codec(codec, **({"ratio": 0.1}
-                                                                   if codec == "topk" else {}))
+        for i, (codec, strategy, shape) in enumerate(EVERY_PATH):
+            c = path_codec(codec)
             for inplace in (True, False):
                 g = np.random.default_rng(i + r).standard_normal(shape).astype(np.float32)
                 refs = [weakref.ref(g)]
