@@ -702,12 +702,67 @@ def test_merge_encode_equals_decode_sum_then_encode(dtype, n, parts):
     assert np.array_equal(fused.get("w@agg"), ref.get("w@agg"))
 
 
+_CACHE_PROBE = """
+import types
+import numpy as np
+from hipress.codecs import get_codec
+from hipress.codecs import _kernels_quant as kq
+from hipress.memory.base import ResidualMemory
+
+x = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+for name in ("onebit", "terngrad", "tbq"):
+    codec = get_codec(name)
+    codec.decode(codec.encode(x, "w"))
+    mem = ResidualMemory()
+    mem.encode(codec, "w", x)
+    mem.encode(codec, "w", x)
+onebit = get_codec("onebit")
+state = np.zeros_like(x)
+payload, pending = onebit.encode_residual_deferred(x, state, None)
+onebit.encode_residual_deferred(x, state, pending)
+payloads = [onebit.encode(x * s, "w") for s in (1, -2, 3, 5, 7)]
+ResidualMemory().merge_encode(onebit, "w", payloads[:4])
+ResidualMemory().merge_encode(onebit, "w", payloads)
+out = np.zeros_like(x)
+onebit.decode_into(payloads[0], out, 2)
+onebit.decode_add(payloads[0], out)
+kernels = []
+for v in vars(kq.fast_kernels()).values():
+    kernels += list(v.values()) if isinstance(v, dict) else [v]
+kernels = [k for k in kernels if hasattr(k, "stats")]
+print(sum(sum(k.stats.cache_hits.values()) for k in kernels),
+      sum(sum(k.stats.cache_misses.values()) for k in kernels))
+"""
+
+
+def test_kernels_load_from_the_disk_cache_in_a_new_process(tmp_path):
+    """Every kernel closes over dispatchers, which pickled with a random UUID per process,
+    so Numba's cache key changed in each process: every worker compiled all its kernels
+    again (about 5 s for onebit, TernGrad and TBQ here) and ``__pycache__`` grew."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, check=True,
+                           capture_output=True, text=True, timeout=300).stdout.split()
+            for _ in range(2)]
+    (hits0, misses0), (hits1, misses1) = [tuple(map(int, r)) for r in runs]
+    assert hits0 == 0 and misses0 >= 10  # a cold cache compiles each kernel it calls
+    assert (hits1, misses1) == (misses0, 0)  # a new process loads every one of them
+    # the second process wrote no new cache entries
+    first = sorted(p.name for p in tmp_path.rglob("*.nbc"))
+    subprocess.run([sys.executable, "-c", _CACHE_PROBE], env=env, check=True,
+                   capture_output=True, timeout=300)
+    assert sorted(p.name for p in tmp_path.rglob("*.nbc")) == first
+
+
 def test_merge_encode_compiles_once_whatever_mix_of_received_and_own_payloads():
     """Received payloads are read-only, the aggregator's own is writable, at the rank's
     position: each mix compiled the kernel anew (3-5 s each, mid-training). One now."""
     codec = get_codec("onebit")
     mem = ResidualMemory()
-    kernel = kq.fast_kernels().onebit_merge_encode_ef_deferred
+    kernel = kq.fast_kernels().onebit_merge_encoders[4, False]
     own = [codec.encode(np.full(40, v, np.float32), "w") for v in (1.0, -2.0, 3.0, 0.5)]
     got = [Payload.from_bytes(bytes(p.to_bytes()), numel=40) for p in own]
     mem.merge_encode(codec, "w", got)

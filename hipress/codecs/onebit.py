@@ -21,6 +21,7 @@ all-zero gradient decodes to exact zeros, never to ±scale.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -145,10 +146,10 @@ class OneBitCodec(Codec):
     def _decode(self, sections: Sequence[Any], shape: Tuple[int, ...], dtype: np.dtype) -> Any:
         bits, scales = sections
         pos, neg = kq.host_floats(scales)
-        return decode_sign_bits(bits, int(np.prod(shape)), pos, neg, dtype, self.use_fast_path)
+        return decode_sign_bits(bits, math.prod(shape), pos, neg, dtype, self.use_fast_path)
 
     def _layout(self, shape: Tuple[int, ...], dtype: np.dtype) -> Layout:
-        n = int(np.prod(shape))
+        n = math.prod(shape)
         return [(np.dtype(np.uint8), -(-n // 8)), (np.dtype(np.float32), 2)]
 
     # ------------------------------------------------------------ fused kernels
@@ -230,9 +231,9 @@ class OneBitCodec(Codec):
         bits = np.empty(-(-n // 8), dtype=np.uint8)
         sbits, v0, v1, settle = (bits, dt(0), dt(0), False) if pending is None else (
             *pending, True)
-        acc, n_neg = fast.onebit_merge_encode_ef_deferred(
-            x, bool(head), bs[0], bs[1], bs[2], bs[3], vals, len(tail), cf, sbits, v0, v1,
-            settle, bits)
+        kernel = fast.onebit_merge_encoders[len(tail), bool(head)]
+        acc, n_neg = kernel(x, bs[0], bs[1], bs[2], bs[3], vals, cf, sbits, v0, v1, settle,
+                            bits)
         return self._deferred_result(acc, n_neg, bits, state.dtype, (n,), name)
 
     def _deferred_result(self, acc: Any, n_neg: Any, bits: np.ndarray, dtype: Any,
@@ -242,7 +243,7 @@ class OneBitCodec(Codec):
         Raises:
             NonFiniteGradientError: a side's mean is not finite.
         """
-        n = int(np.prod(shape, dtype=np.int64))
+        n = math.prod(shape)
         scales = _means(kq.combine_lanes(acc[0]), kq.combine_lanes(acc[1]), int(n_neg), n)
         ops.check_finite(scales[0], name, "non-negative mean")
         ops.check_finite(scales[1], name, "negative mean")
