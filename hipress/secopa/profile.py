@@ -124,6 +124,9 @@ _COMM_SHARE = 0.4
 #: allreduce sizes from which the machines' busy CPU counts for ``wire_cpu_s_per_byte``
 #: (below, fixed costs and polling dominate)
 _WIRE_CPU_MIN_BYTES = 1 << 20
+#: shortest run of repetitions over which that busy CPU is read: /proc/stat counts in ticks
+#: of 10 ms, so a 30 ms sample read 0-3 ticks (a profile on a fast machine measured 0)
+_WIRE_CPU_MIN_WINDOW_S = 0.1
 _MIN_POINTS = 2
 _TARGET_SAMPLE_S = 0.03
 _MIN_REPS, _MAX_REPS = 3, 25
@@ -281,8 +284,9 @@ class Profile(BaseModel):
         wire_cpu_s_per_byte: CPU seconds per byte a rank allreduces uncompressed, over
             all cores of its machine (MPI, the engine's polling, the kernel's TCP stack:
             busy time in ``/proc/stat`` while the ``allreduce`` pattern ran, at 1 MiB and
-            up): what moving bytes takes from training that shares the cores. Measured
-            where ``/proc/stat`` exists and N > 1, else 0.
+            up, each size repeated for at least 0.1 s): what moving bytes takes from
+            training that shares the cores. Measured where ``/proc/stat`` exists and
+            N > 1, else 0.
     """
 
     model_config = _STRICT
@@ -790,8 +794,12 @@ def _machine_id() -> str:
 
 
 def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, nbytes: int,
-                  deadline: float) -> Optional[Tuple[float, float, float]]:
+                  deadline: float, min_window_s: float = 0.0
+                  ) -> Optional[Tuple[float, float, float]]:
     """Time one pattern at one size on every rank.
+
+    ``min_window_s``: repeat the pattern for at least this long (the deadline aside, at
+    most 1000 times), so that the busy CPU read from ``/proc/stat`` spans enough ticks.
 
     Returns:
         On rank 0 ``(t, spread, cpu)`` of the per-repetition maxima over ranks (a pattern
@@ -810,6 +818,8 @@ def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, 
     left = deadline - time.perf_counter()
     if first * reps > left > 0:
         reps = max(_MIN_REPS, int(left / max(first, 1e-6)))
+    if min_window_s > 0:  # ``first`` is every rank's maximum: the same count everywhere
+        reps = max(reps, min(1000, math.ceil(min_window_s / max(first, 1e-6))))
     reps = int(clock.comm.bcast(reps if clock.root else None, root=0))
     samples = []
     comm.Barrier()
@@ -963,12 +973,14 @@ def _measure_and_fit(comm: Any, codecs: Sequence[Any], sizes: Optional[Sequence[
                 if not go_on(i, deadline, last, nbytes / comm_sizes[max(i - 1, 0)]):
                     break
                 t0 = time.perf_counter()
-                got = _measure_comm(comm, MPI, sched, clock, pattern, nbytes, deadline)
+                wire = pattern == "allreduce" and nbytes >= _WIRE_CPU_MIN_BYTES
+                got = _measure_comm(comm, MPI, sched, clock, pattern, nbytes, deadline,
+                                    _WIRE_CPU_MIN_WINDOW_S if wire else 0.0)
                 last = time.perf_counter() - t0
                 if clock.root and got is not None:
                     pts.append((float(nbytes), got[0]))
                     spread = max(spread, got[1])
-                    if pattern == "allreduce" and nbytes >= _WIRE_CPU_MIN_BYTES and got[2] >= 0:
+                    if wire and got[2] > 0:  # 0: no tick counted, not free
                         wire_cpu.append(got[2] / nbytes)
             if clock.root:
                 comm_fits[pattern] = fit_line(pts).model_copy(update={"spread": spread})
