@@ -318,6 +318,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             "load_end": load_end or loadavg(), "refit": report, "round_s": refit.round_s,
             "plan_predicted_exposed_ms": plan_file.predicted_exposed_ms,
             "plan_predicted_delay_ms": plan_file.predicted_delay_ms,
+            "plan_basis": plan_file.basis,
             "argv": sys.argv[1:]}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"SeCoPa pipeline model vs {'synchronization only' if args.sync_only else 'training'}"
@@ -332,6 +333,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
              + f"; wire CPU {refit.wire_cpu_s_per_byte * 1e9:.2f} ns/byte; compute floor "
              + (f"{floor:.3f} s (threshold's step less its predicted delay)"
                 if floor is not None else "unknown")
+             + f"; plan basis {plan_file.basis}"
              + f"; {max(args.repeats, 1)} round(s), medians", "",
              "| policy | compressed | runs | step s | step s predicted | predicted / measured "
              "| exposed s measured | exposed s predicted | delay s predicted "

@@ -33,7 +33,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``profile`` and ``plan`` commands to the ``hipress`` parser."""
-    from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS
+    from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS, DEFAULT_MIN_GAIN
     from hipress.secopa.profile import DEFAULT_TIME_BUDGET_S
 
     p = subparsers.add_parser(
@@ -105,6 +105,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                         "step after --skip-steps) and print the step's measured one")
     q.add_argument("--skip-steps", type=int, default=2, metavar="N",
                    help="warm-up steps of the timeline to leave out")
+    q.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN, metavar="F",
+                   help="with --timeline: leave the best fixed policy only for a plan "
+                   "predicted at least this fraction of the iteration faster (0 keeps what "
+                   "the search found)")
     q.add_argument("-o", "--output", default=None, metavar="FILE", help="plan file to write")
     q.add_argument("-v", "--verbose", action="store_true",
                    help="also print every gradient: the predicted time of each option and "
@@ -258,7 +262,7 @@ def _plan(args: argparse.Namespace) -> int:
     p = plan(prof, grads, codec, args.strategy, n, max_partitions=args.max_partitions,
              memory=args.memory, fusion_bytes=args.fusion_bytes,
              min_compress_bytes=args.min_compress_bytes, partition_bytes=args.partition_bytes,
-             profile_source=str(args.profile), arrivals=arrivals)
+             profile_source=str(args.profile), arrivals=arrivals, min_gain=args.min_gain)
     if n != prof.world_size:
         print(f"note: profile measured on {prof.world_size} rank(s); message costs scaled to "
               f"{n} ranks (alpha-beta model)", file=sys.stderr)
