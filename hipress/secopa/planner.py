@@ -580,6 +580,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
     }
     exposed: Dict[str, float] = {}
     delay: Dict[str, float] = {}
+    basis = "search"
     if arrivals is not None:
         ready = {str(a[0]): float(a[2]) for a in arrivals}
         end = max(ready.values(), default=0.0)
@@ -600,12 +601,10 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
                         "compress_nothing": nothing}
         chosen = _pipeline_search(run, [chosen, *fixed_starts.values()], alternatives, numels)
         fixed_delay = {k: run(c).delay_s for k, c in fixed_starts.items()}
-        basis = min(fixed_delay, key=fixed_delay.__getitem__)  # the first of equals
-        margin = float(min_gain) * (end + fixed_delay[basis])
-        if run(chosen).delay_s >= fixed_delay[basis] - margin:
-            chosen = fixed_starts[basis]
-        else:
-            basis = "search"
+        best_fixed = min(fixed_delay, key=fixed_delay.__getitem__)  # the first of equals
+        margin = float(min_gain) * (end + fixed_delay[best_fixed])
+        if run(chosen).delay_s >= fixed_delay[best_fixed] - margin:
+            chosen, basis = fixed_starts[best_fixed], best_fixed
         policies = {"plan": chosen, "compress_everything": forced, "threshold": threshold,
                     "compress_nothing": nothing}
         for key, choices in policies.items():
@@ -613,8 +612,6 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
             exposed[key] = sim.exposed_s * 1e3
             delay[key] = sim.delay_s * 1e3
         totals["plan"] = total(chosen)
-    else:
-        basis = "search"
     entries = [_entry(name, n, ch) for name, n, ch in zip(names, numels, chosen)]
     return Plan(
         version=PLAN_VERSION,
