@@ -13,7 +13,9 @@ and codec:
    ``compress_nothing`` (``--codec none``) and ``plan`` (``sync.plan: <the file>``), each
    with a timeline;
 5. with ``--repeats R``, R - 1 more rounds of all four policies, interleaved, so that a
-   drift of the machine's speed hits every policy alike;
+   drift of the machine's speed hits every policy alike; the plan's step over the best
+   fixed policy's step of the same round, per round and their median, is printed in the
+   header (``plan_vs_best_fixed_per_round`` in the JSON);
 6. for each policy: the **measured** exposed sync time per step (from the timeline: the
    last completion minus the last arrival, a gradient arriving when its last rank
    submits it; median over the timed steps) and step time (the workers' median; both
@@ -88,6 +90,29 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="run nothing: analyse the jobs an earlier run left in --out")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "secopa-pipeline"))
     return p.parse_args(argv)
+
+
+def plan_vs_best_fixed_per_round(jobs: Dict[str, List[Dict[str, Any]]]) -> List[float]:
+    """Return, per round with a plan step, the plan's step / the best fixed policy's step.
+
+    A round's jobs run minutes apart, rounds tens of minutes apart: the machine's speed
+    drifts between rounds more than between a round's jobs, so the ratio within a round
+    tells the policies apart better than the ratio of medians over rounds.
+
+    Args:
+        jobs: per policy, its jobs, each with ``round``, ``rc`` and ``step_s``.
+    """
+    steps: Dict[int, Dict[str, float]] = {}
+    for policy, runs in jobs.items():
+        for j in runs:
+            if j["rc"] == 0 and j["step_s"]:
+                steps.setdefault(j["round"], {})[policy] = j["step_s"]
+    out = []
+    for rnd in sorted(steps):
+        fixed = [v for k, v in steps[rnd].items() if k != "plan"]
+        if "plan" in steps[rnd] and fixed:
+            out.append(steps[rnd]["plan"] / min(fixed))
+    return out
 
 
 def loadavg() -> List[float]:
@@ -228,7 +253,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         prefix = work / f"{name}"
         if args.analyse_only:
             step = worker_step_s(prefix, args.hosts)
-            return {"rc": 0 if step and trace.exists() else 1, "trace": trace, "step_s": step}
+            return {"rc": 0 if step and trace.exists() else 1, "trace": trace, "step_s": step,
+                    "round": rnd}
         for old in [trace, *work.glob(f"{name}.rank*.json")]:
             old.unlink(missing_ok=True)
         rc = runner.run(f"{tag}-{name}", [
@@ -239,7 +265,8 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             "--codec", codec, "--strategy", args.strategy, "--json", str(prefix)]
             + (["--sync-only"] if args.sync_only else []),
             dict(env, HIPRESS_TIMELINE=str(trace)))
-        return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts)}
+        return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts),
+                "round": rnd}
 
     grads = load_gradients(args.model)
     jobs: Dict[str, List[Dict[str, Any]]] = {}
@@ -308,6 +335,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             r["predicted_step_s"] = floor + r["predicted_delay_s"]
     best_fixed = min((r["step_s"] for r in rows if r["policy"] != "plan" and r["step_s"]),
                      default=None)
+    per_round = plan_vs_best_fixed_per_round(jobs)
     meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
             "rate": "local" if args.local else args.rate, "hosts": args.hosts,
             "batch_size": args.batch_size, "image_size": args.image_size,
@@ -319,6 +347,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             "plan_predicted_exposed_ms": plan_file.predicted_exposed_ms,
             "plan_predicted_delay_ms": plan_file.predicted_delay_ms,
             "plan_basis": plan_file.basis,
+            "plan_vs_best_fixed_per_round": per_round,
             "argv": sys.argv[1:]}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"SeCoPa pipeline model vs {'synchronization only' if args.sync_only else 'training'}"
@@ -334,7 +363,10 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
              + (f"{floor:.3f} s (threshold's step less its predicted delay)"
                 if floor is not None else "unknown")
              + f"; plan basis {plan_file.basis}"
-             + f"; {max(args.repeats, 1)} round(s), medians", "",
+             + f"; {max(args.repeats, 1)} round(s), medians"
+             + ("; plan / best fixed policy of the same round: "
+                + ", ".join(f"{x:.3f}" for x in per_round)
+                + f" (median {statistics.median(per_round):.3f})" if per_round else ""), "",
              "| policy | compressed | runs | step s | step s predicted | predicted / measured "
              "| exposed s measured | exposed s predicted | delay s predicted "
              "| step vs best fixed |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -29,9 +29,18 @@ Usage (root, repository root, virtual environment active; see bench/README.md)::
         --iters 1 --warmup 1 --image-size 32                   # a small check
     python bench/train_e2e.py --local --np 2 --models resnet50 --codecs onebit
     python bench/train_e2e.py --tf --no-torch --tf-codecs none,onebit --iters 2
+    python bench/train_e2e.py --models vgg19 --baselines ddp-powersgd1 \
+        --codecs onebit --strategies ps --repeats 3             # medians of 3 rounds
     python bench/train_e2e.py --dry-run                         # print the commands
 
-Writes ``<out>/train_e2e.json`` (every row), ``train_e2e.md`` (the table),
+Machine speed drifts by 5-20 % between jobs minutes apart. With ``--repeats R`` every
+job runs R times in rounds (all jobs, then all again), each row reports the median
+images/s over the rounds with the lowest and highest, and each "vs" ratio is the median
+of the R ratios measured within one round (both jobs minutes apart, not a round apart),
+with their range.
+
+Writes ``<out>/train_e2e.json`` (every row; with ``--repeats``, ``runs`` holds each
+round's rows), ``train_e2e.md`` (the table),
 ``train_e2e.png`` (images/s per system and model, compute floor as a line) and
 ``train_e2e.log`` (everything the jobs printed).
 """
@@ -104,6 +113,10 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (bert-base)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--iters", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every job this many times, in rounds (all jobs, then all again): "
+                   "a row reports the median over rounds and their range, and each ratio is "
+                   "the median of the ratios measured within one round")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch.set_num_threads in every job (TF: intra-op threads) and "
                    "OMP_NUM_THREADS; 0 = leave the library default")
@@ -273,6 +286,8 @@ def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any
            "hosts": sorted({r["host"] for r in ranks})}
     if row["step_call_s"] is not None and row["update_s"] is not None:
         row["exposed_sync_s"] = max(row["step_call_s"] - row["update_s"], 0.0)
+    if row["cpu_s"] is not None:
+        row["cpu_bound_step_s"] = cpu_bound_step(world, row["cpu_s"])
     r0 = ranks[0]
     if "paths" in r0:
         paths = dict(r0["paths"])
@@ -283,12 +298,27 @@ def summarize(job: Dict[str, Any], ranks: List[Dict[str, Any]]) -> Dict[str, Any
     return row
 
 
+def cpu_bound_step(world: int, cpu_s: float, cpus: Optional[int] = None) -> float:
+    """Return the step time the ranks' CPU alone needs: ``world * cpu_s / cpus``.
+
+    Every rank of the emulated cluster (and of ``--local``) runs on this machine's
+    ``cpus`` (default ``os.cpu_count()``), so a step cannot be shorter than all ranks'
+    CPU seconds per step spread over them. A step near this figure is CPU-bound: what a
+    system spends on the CPU, not on the wire, sets its speed.
+    """
+    return world * cpu_s / float(cpus or os.cpu_count() or 1)
+
+
 def annotate(rows: List[Dict[str, Any]]) -> None:
-    """Add ``x_floor`` and ``vs`` (ratio of images/s to each peer) to every measured row."""
+    """Add ``x_floor`` and ``vs`` (ratio of images/s to each peer) to every measured row.
+
+    Rows are compared within their round (``repeat``): a ratio never mixes rounds.
+    """
     groups: Dict[tuple, List[Dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((r["framework"], r["model"], r["rate"]), []).append(r)
-    for (framework, _, _), grp in groups.items():
+        groups.setdefault((r["framework"], r["model"], r["rate"], r.get("repeat", 1)),
+                          []).append(r)
+    for (framework, _, _, _), grp in groups.items():
         ips = {r["label"]: r.get("images_per_s") for r in grp if r.get("images_per_s")}
         floor = ips.get(FLOOR[framework])
         for r in grp:
@@ -303,6 +333,63 @@ def annotate(rows: List[Dict[str, Any]]) -> None:
             r["overhead_vs_floor_s"] = r["step_s"] - fl["step_s"] if fl else None
 
 
+#: figures of a combined row that are medians over its rounds
+_MEDIAN_KEYS = ("step_s", "compute_s", "step_call_s", "update_s", "exposed_sync_s",
+                "overhead_vs_floor_s", "engine_cpu_s", "cpu_s", "cpu_bound_step_s", "gc_s",
+                "fault_mib", "x_floor")
+
+
+def combine(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Combine the rows of several rounds (``--repeats``) into one row per system.
+
+    Args:
+        runs: every round's rows, annotated (:func:`annotate`), each with ``repeat``.
+
+    Returns:
+        One row per (framework, model, rate, label), in first-round order: the job's
+        fields, ``images_per_s`` the median over the rounds that produced figures with
+        ``images_per_s_range`` (lowest, highest), ``vs`` the median of each peer's
+        within-round ratios with ``vs_range``, the breakdown figures (``step_s`` ...) as
+        medians, ``repeats`` the rounds with figures, ``rc`` the first nonzero exit code
+        (else 0) and ``load`` the highest 1-minute load seen at a job's start. A system
+        that failed in every round keeps the first failure's ``log_tail``.
+    """
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["framework"], r["model"], r["rate"], r["label"]), []).append(r)
+    out = []
+    for grp in groups.values():
+        ok = [r for r in grp if r.get("images_per_s")]
+        first = grp[0]
+        row = {k: first[k] for k in ("framework", "model", "label", "system", "codec",
+                                     "strategy", "rate")}
+        row["rc"] = next((r["rc"] for r in grp if r["rc"] != 0), 0)
+        row["load"] = [max(r["load"][0] for r in grp)] + list(first["load"][1:])
+        row["repeats"] = len(ok)
+        if not ok:
+            row["log_tail"] = first.get("log_tail", [])
+            out.append(row)
+            continue
+        ips = [r["images_per_s"] for r in ok]
+        row["images_per_s"] = _median(ips)
+        row["images_per_s_range"] = [min(ips), max(ips)]
+        for k in _MEDIAN_KEYS:
+            vals = [r[k] for r in ok if r.get(k) is not None]
+            row[k] = _median(vals)
+        for k in ("path", "paths", "threads", "codecs_used", "compression_ratio",
+                  "bytes_sent_per_step", "world"):
+            if k in ok[0]:
+                row[k] = ok[0][k]
+        peers = sorted({p for r in ok for p in r.get("vs", {})})
+        row["vs"] = {p: _median([r["vs"][p] for r in ok if p in r.get("vs", {})])
+                     for p in peers}
+        row["vs_range"] = {p: [min(r["vs"][p] for r in ok if p in r.get("vs", {})),
+                               max(r["vs"][p] for r in ok if p in r.get("vs", {}))]
+                           for p in peers}
+        out.append(row)
+    return out
+
+
 def fmt(x: Optional[float], spec: str = ".3f", suffix: str = "") -> str:
     """Format a number, or '-' for None."""
     return "-" if x is None else f"{x:{spec}}{suffix}"
@@ -315,7 +402,8 @@ def table(rows: List[Dict[str, Any]]) -> str:
     head = (["model", "link", "system", "codec", "strategy", "path", "images/s", "x floor"]
             + [t for _, t in peers]
             + ["step s", "compute s", "step() s", "update s", "exposed sync s",
-               "over floor s", "engine CPU s/step", "CPU s/step", "GC s/step",
+               "over floor s", "engine CPU s/step", "CPU s/step", "CPU-bound step s",
+               "GC s/step",
                "faulted MiB/step", "load 1m",
                "threads", "rc"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -323,16 +411,27 @@ def table(rows: List[Dict[str, Any]]) -> str:
         vs = r.get("vs", {})
         model = r["model"] if r["framework"] == "torch" else f"{r['model']} (tf)"
         cells = [model, r["rate"], r["label"], r["codec"], r.get("strategy") or "-",
-                 r.get("path", "-"), fmt(r.get("images_per_s"), ".2f"),
+                 r.get("path", "-"), _with_range(r.get("images_per_s"),
+                                                 r.get("images_per_s_range"), ".2f"),
                  fmt(r.get("x_floor"), ".2f")]
-        cells += [fmt(vs.get(p), ".2f", "x") for p, _ in peers]
+        cells += [_with_range(vs.get(p), r.get("vs_range", {}).get(p), ".2f", "x")
+                  for p, _ in peers]
         cells += [fmt(r.get(k)) for k in ("step_s", "compute_s", "step_call_s", "update_s",
                                           "exposed_sync_s", "overhead_vs_floor_s",
-                                          "engine_cpu_s", "cpu_s", "gc_s")]
+                                          "engine_cpu_s", "cpu_s", "cpu_bound_step_s",
+                                          "gc_s")]
         cells.append(fmt(r.get("fault_mib"), ".0f"))
         cells += [fmt(r["load"][0], ".2f"), str(r.get("threads", "-")), str(r["rc"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _with_range(x: Optional[float], rng: Optional[Sequence[float]], spec: str,
+                suffix: str = "") -> str:
+    """Format a median with its (lowest-highest) range when rounds give one."""
+    if x is None or not rng:
+        return fmt(x, spec, suffix)
+    return f"{x:{spec}}{suffix} ({rng[0]:{spec}}-{rng[1]:{spec}})"
 
 
 def failures(rows: List[Dict[str, Any]]) -> str:
@@ -353,20 +452,49 @@ images/s / the compute floor's (ddp-noop; tf-floor for TensorFlow); vs X = image
 backward's return to the end of the update (optimizer.step(); mpi-allreduce: flatten +
 Allreduce + copy back + update); update s = a plain SGD step on the same parameters;
 exposed sync s = step() - update; over floor s = step s - the floor's step s; engine CPU
-= CPU s per step of the threads named hipress*; CPU = process CPU s per step; GC = wall s
+= CPU s per step of the threads named hipress*; CPU = process CPU s per step; CPU-bound
+step = world x CPU s/step / this machine's CPUs (every rank runs on them: a step near it
+is set by CPU, not by the wire); GC = wall s
 per step in Python's cyclic garbage collector (any thread); faulted MiB = memory faulted
 into the process per step (minor page faults x page size); load 1m = 1-minute load average
 when the job started. Breakdown figures are means over ranks of per-rank medians (CPU, GC,
 faults: means)."""
 
 
-def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool) -> bool:
+def rounds_table(runs: List[Dict[str, Any]]) -> str:
+    """Return a Markdown table of images/s per system and round (``--repeats``)."""
+    reps = sorted({r.get("repeat", 1) for r in runs})
+    cells: Dict[tuple, Dict[int, str]] = {}
+    for r in runs:
+        key = (r["model"] if r["framework"] == "torch" else f"{r['model']} (tf)", r["rate"],
+               r["label"])
+        cells.setdefault(key, {})[r.get("repeat", 1)] = fmt(r.get("images_per_s"), ".2f")
+    head = ["model", "link", "system"] + [f"round {k}" for k in reps]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, by in cells.items():
+        lines.append("| " + " | ".join(list(key) + [by.get(k, "-") for k in reps]) + " |")
+    return "\n".join(lines)
+
+
+def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: bool,
+          runs: Optional[List[Dict[str, Any]]] = None) -> bool:
     """Write train_e2e.json, train_e2e.md and (unless ``plot`` is False) train_e2e.png.
+
+    Args:
+        out: the output directory.
+        meta: the run's settings.
+        rows: the rows of the table (with ``--repeats``, :func:`combine`'s).
+        plot: draw the PNG.
+        runs: with ``--repeats``, every round's rows (written to the JSON as ``runs``,
+            and as a table of images/s per round).
 
     Returns:
         True if the PNG was written (False without ``plot`` or without matplotlib).
     """
-    (out / "train_e2e.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    doc: Dict[str, Any] = {"meta": meta, "rows": rows}
+    if runs is not None:
+        doc["runs"] = runs
+    (out / "train_e2e.json").write_text(json.dumps(doc, indent=1))
     threads = sorted({str(r.get("threads")) for r in rows if r.get("threads") is not None})
     text = ["# End-to-end training throughput", "",
             f"Run: `python bench/train_e2e.py {shlex.join(meta['argv'])}` at {meta['started']} "
@@ -376,6 +504,12 @@ def write(out: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], plot: boo
             f"{meta.get('seq_len', 64)} tokens); torch threads: "
             f"{meta['torch_threads_setting']} (get_num_threads in the workers: "
             f"{', '.join(threads) or '-'}).", "", table(rows), "", COLUMNS, ""]
+    if runs is not None:
+        text += [f"With --repeats {meta.get('repeats')}: images/s is the median over the "
+                 "rounds (lowest-highest); each vs X is the median of the ratios measured "
+                 "within one round (lowest-highest); the other figures are medians over the "
+                 "rounds; load 1m is the highest at a job's start.", "",
+                 "## Images/s per round", "", rounds_table(runs), ""]
     fail = failures(rows)
     if fail:
         text += ["## Failed jobs", "", fail]
@@ -434,24 +568,32 @@ def plot_rows(rows: List[Dict[str, Any]], path: Path) -> None:
 # ----------------------------------------------------------------------------- driver
 def run_rate(args: argparse.Namespace, rate: str, jobs: List[Dict[str, Any]], out: Path,
              hosts: Optional[str], master_host: str, env: Dict[str, str],
-             rows: List[Dict[str, Any]], meta: Dict[str, Any]) -> None:
-    """Run every job at one link rate; append a row per job to ``rows``."""
+             rows: List[Dict[str, Any]], meta: Dict[str, Any], repeat: int = 1) -> None:
+    """Run every job at one link rate; append a row per job to ``rows``.
+
+    ``repeat`` numbers the round (``--repeats``): it is recorded in each row and, with
+    more than one round, in the job's file names (``-r<repeat>``).
+    """
     jobdir = out / "jobs"
     jobdir.mkdir(exist_ok=True)
     n = args.hosts if hosts else (args.np or args.hosts)
     for k, job in enumerate(jobs):
         tag = f"{job['framework']}-{job['model']}-{job['label']}-{rate}"
+        if args.repeats > 1:
+            tag += f"-r{repeat}"
         prefix = jobdir / tag
         for old in jobdir.glob(f"{tag}.rank*.json"):
             old.unlink()
-        cmd = job_command(job, args, hosts, f"{master_host}:{29600 + k % 300}", prefix)
+        # a fresh rendezvous port per job and round (a port just closed may linger)
+        port = 29600 + (k + (repeat - 1) * len(jobs)) % 300
+        cmd = job_command(job, args, hosts, f"{master_host}:{port}", prefix)
         before = loadavg()
         print(f"=== {tag}: load {before}", flush=True)
         t0 = time.time()
         rc, lines = run_job(cmd, env, args.job_timeout, out / "train_e2e.log")
         row = {k2: job[k2] for k2 in ("framework", "model", "label", "system", "codec",
                                       "strategy")}
-        row.update(rate=rate, load=before, load_after=loadavg(), rc=rc,
+        row.update(rate=rate, repeat=repeat, load=before, load_after=loadavg(), rc=rc,
                    wall_s=round(time.time() - t0, 1), command=cmd)
         files = [Path(f"{prefix}.rank{r}.json") for r in range(n)]
         if all(f.exists() for f in files):
@@ -468,12 +610,18 @@ def run_rate(args: argparse.Namespace, rate: str, jobs: List[Dict[str, Any]], ou
             print(f"!! {tag} exited {rc} after writing its results; figures kept", flush=True)
         rows.append(row)
         annotate(rows)
-        write(out, meta, rows, plot=False)  # partial results survive a later failure
+        # partial results survive a later failure
+        if args.repeats > 1:
+            write(out, meta, combine(rows), plot=False, runs=rows)
+        else:
+            write(out, meta, rows, plot=False)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark; return 0 when every job produced figures, 1 otherwise."""
     args = parse(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     jobs = plan_jobs(args)
     if os.geteuid() == 0:
         os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -504,6 +652,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "cpus": os.cpu_count(), "load_at_start": loadavg(),
             "batch_size": args.batch_size, "image_size": args.image_size,
             "seq_len": args.seq_len, "warmup": args.warmup, "iters": args.iters,
+            "repeats": args.repeats,
             "torch_threads_setting": threads,
             "queue_ms": args.queue_ms, "hipress_env": {k: v for k, v in os.environ.items()
                                                        if k.startswith("HIPRESS_")}}
@@ -511,7 +660,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         fh.write(f"bench/train_e2e.py {shlex.join(meta['argv'])}  ({meta['started']})\n")
     rows: List[Dict[str, Any]] = []
     if args.local:
-        run_rate(args, "local", jobs, out, None, "127.0.0.1", dict(os.environ), rows, meta)
+        for rep in range(1, args.repeats + 1):
+            run_rate(args, "local", jobs, out, None, "127.0.0.1", dict(os.environ), rows, meta,
+                     rep)
     else:
         from hipress.testing.emucluster import EmulatedCluster, namespaces_unavailable
 
@@ -522,10 +673,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for rate in rates:
             with EmulatedCluster(args.hosts, rate=rate, queue_ms=args.queue_ms) as cluster:
                 print(f"=== {cluster!r}; load {loadavg()}", flush=True)
-                run_rate(args, rate, jobs, out, cluster.hosts_arg(), cluster.hosts[0],
-                         cluster.env(os.environ), rows, meta)
+                for rep in range(1, args.repeats + 1):
+                    run_rate(args, rate, jobs, out, cluster.hosts_arg(), cluster.hosts[0],
+                             cluster.env(os.environ), rows, meta, rep)
     meta["load_at_end"] = loadavg()
-    plotted = write(out, meta, rows, plot=not args.no_plot)
+    runs = rows if args.repeats > 1 else None
+    if runs is not None:
+        rows = combine(runs)
+    plotted = write(out, meta, rows, plot=not args.no_plot, runs=runs)
     print(table(rows))
     print(f"wrote {out / 'train_e2e.json'}, {out / 'train_e2e.md'}, "
           + (f"{out / 'train_e2e.png'}, " if plotted else "") + f"{out / 'train_e2e.log'}")
