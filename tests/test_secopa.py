@@ -974,7 +974,9 @@ def test_cli_plan_vgg19_writes_a_plan_and_prints_totals(tmp_path, capsys):
     rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "vgg19", "--strategy",
                    "ring", "--world-size", "8", "--codec", "onebit", "-o", str(out)])
     assert rc == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "under load" not in captured.err  # a quiet profile: no note
     p = Plan.load(out)
     assert len(p.gradients) == 38 and p.world_size == 8 and p.strategy == "ring"
     for key, label in (("plan", "plan "), ("compress_everything", "compress-everything"),
@@ -991,6 +993,13 @@ def test_cli_plan_vgg19_writes_a_plan_and_prints_totals(tmp_path, capsys):
     rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "nosuchnet",
                    "--codec", "onebit"])
     assert rc == 1 and "vgg19" in capsys.readouterr().err
+    # a profile taken under load still plans, with a note that names the hosts' shares
+    PROFILE4.model_copy(update={"loaded": True, "host_load": {"h1": 0.41, "h2": 0.12}}).save(
+        prof_path)
+    rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "vgg19", "--codec",
+                   "onebit"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "was taken under load" in err and "h1 0.41, h2 0.12" in err
 
 
 def test_cli_plan_verbose_prints_each_options_time_and_the_reason(tmp_path, capsys):
@@ -1107,3 +1116,61 @@ def test_plan_follower_auto_profiles_the_configured_codec(monkeypatch):
     # a codec that was not profiled falls back to the fixed policy
     assert f.decide("w2", np.zeros(10**6, np.float32), get_codec("onebit"), "ps") == (
         True, 1, "ps")
+
+
+def test_cli_plan_verbose_with_a_timeline_prints_each_options_change_of_delay(tmp_path,
+                                                                              capsys):
+    from hipress.engine.planning import Decision
+    from hipress.secopa.pipeline import UNCOMPRESSED, simulate
+
+    grads = load_gradients("resnet50")
+    events = []
+    for step in range(3):
+        for i, (name, shape) in enumerate(reversed(grads)):  # the last layer first, 1 ms apart
+            events.append({"name": "submit", "ph": "X", "pid": 0, "ts": step * 1e6 + 1000 * i,
+                           "dur": 0, "args": {"gradient": name, "numel": math.prod(shape),
+                                              "step": step}})
+    trace, prof_path = tmp_path / "trace.json", tmp_path / "p.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    PROFILE4.save(prof_path)
+    rc = cli.main(["plan", "--profile", str(prof_path), "--gradients", "resnet50",
+                   "--strategy", "ps", "--world-size", "4", "--codec", "onebit", "--timeline",
+                   str(trace), "--skip-steps", "1", "--min-gain", "0", "-v"])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("gradient "))
+    assert lines[head].split()[:10] == ["gradient", "numel", "fused", "ms", "ps", "ms", "K",
+                                        "fused", "+ms", "ps"]
+    rows = {line.split()[0]: line.split() for line in lines[head + 1:head + 1 + len(grads)]}
+    assert len(rows) == len(grads)
+    # the same plan, and each +ms recomputed with the simulation itself
+    arrivals = [(n, math.prod(s), 1e-3 * i) for i, (n, s) in enumerate(reversed(grads))]
+    p = plan(PROFILE4, grads, CODECS["onebit"], "ps", 4, arrivals=arrivals, min_gain=0.0)
+    model = CostModel(PROFILE4, 4)
+    base = {g.name: Decision(True, g.partitions, g.strategy) if g.compress else UNCOMPRESSED
+            for g in p.gradients}
+
+    def delay(choices):
+        return simulate(model, arrivals, choices, CODECS["onebit"], p.feedback,
+                        shapes=dict(grads)).delay_s * 1e3
+
+    plan_ms = delay(base)
+    assert plan_ms == pytest.approx(p.predicted_delay_ms["plan"], rel=1e-9)
+    checked = 0
+    for g in p.gradients:
+        # name, numel, fused ms, ps ms, K, fused +ms, ps +ms, choice, why...
+        row = rows[g.name]
+        assert row[7] == (f"ps/{g.partitions}" if g.compress else "fused"), row
+        fused_cell, ps_cell = row[5], row[6]
+        if not g.compress:
+            assert float(fused_cell) == 0.0
+        elif int(row[4]) == g.partitions:  # the plan took the path's best K
+            assert float(ps_cell) == 0.0
+        if g.numel >= 1 << 20 and checked < 3:  # a few large ones, simulated here
+            other = UNCOMPRESSED if g.compress else Decision(True, int(row[4]), "ps")
+            cell = fused_cell if g.compress else ps_cell
+            want = delay(dict(base, **{g.name: other})) - plan_ms
+            assert float(cell) == pytest.approx(want, abs=2e-3), (g.name, row)
+            assert want != 0.0
+            checked += 1
+    assert checked == 3

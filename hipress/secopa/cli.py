@@ -236,9 +236,15 @@ def _profile_table(prof: Any) -> str:
 def _plan(args: argparse.Namespace) -> int:
     from hipress.codecs import get_codec
     from hipress.secopa.planner import load_gradients, option_table, plan, summary_table
-    from hipress.secopa.profile import Profile
+    from hipress.secopa.profile import LOADED_SHARE, Profile
 
     prof = Profile.load(args.profile)
+    if prof.loaded:
+        busy = ", ".join(f"{h} {v:.2f}" for h, v in sorted(prof.host_load.items()))
+        print(f"note: {args.profile} was taken under load (share of the cores other "
+              f"programs kept busy: {busy}; above {LOADED_SHARE:.2f} counts as loaded): its "
+              "costs include other programs', so this plan may be off; profile again on a "
+              "quiet cluster", file=sys.stderr)
     grads = load_gradients(args.gradients)
     codec = get_codec(args.codec, **_json_arg(args.params, "--params"))
     n = args.world_size or prof.world_size
@@ -273,7 +279,8 @@ def _plan(args: argparse.Namespace) -> int:
               f"job's own policy): last gradient ready {m['backward_s'] * 1e3:.2f} ms, last "
               f"done {m['end_s'] * 1e3:.2f} ms, exposed {m['exposed_s'] * 1e3:.2f} ms")
     if args.verbose:
-        print(option_table(p, prof, grads, codec, args.fusion_bytes))
+        print(option_table(p, prof, grads, codec, args.fusion_bytes, arrivals=arrivals,
+                           partition_bytes=args.partition_bytes))
     if args.output:
         p.save(args.output)
         print(f"wrote {args.output}")

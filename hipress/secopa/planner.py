@@ -582,9 +582,8 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
     delay: Dict[str, float] = {}
     basis = "search"
     if arrivals is not None:
-        ready = {str(a[0]): float(a[2]) for a in arrivals}
-        end = max(ready.values(), default=0.0)
-        arr = [(nm, n, ready.get(nm, end)) for nm, n in zip(names, numels)]
+        arr = _aligned_arrivals(names, numels, arrivals)
+        end = max((float(a[2]) for a in arrivals), default=0.0)
         shape_of = dict(zip(names, shapes))
 
         def run(choices: Sequence[Tuple[bool, Cost]]) -> Simulation:
@@ -627,11 +626,17 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
 
 
 def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]],
-                 codec: Optional[Codec], fusion_bytes: int = DEFAULT_FUSION_BYTES) -> str:
+                 codec: Optional[Codec], fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                 arrivals: Optional[Sequence[Tuple[str, int, float]]] = None,
+                 partition_bytes: int = DEFAULT_PARTITION_BYTES) -> str:
     """Return, per gradient, the predicted time of every option and why the plan chose one.
 
     ``hipress plan -v`` prints it. Columns: the uncompressed (fused) time, the best time
-    of each compressed path with its partition count K, the plan's choice and why:
+    of each compressed path with its partition count K (each alone, ms), with
+    ``arrivals`` the iteration's simulated delay if this gradient alone took each of
+    those options instead of the plan's, as a difference from the plan's delay (``+ms``
+    columns: 0 for the option the plan took, positive for a slower iteration), then the
+    plan's choice and why:
     ``fastest`` (the minimum of the row), ``not shrinkable`` (the codec does not make
     this gradient smaller, :func:`may_compress`), ``no fused buffer`` (compressed
     although slower alone, because then no gradient goes uncompressed and the fused
@@ -646,6 +651,8 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
         gradients: the ``[(name, shape)]`` given to :func:`plan`.
         codec: the codec given to :func:`plan`.
         fusion_bytes: the fused-buffer size given to :func:`plan`.
+        arrivals: the arrivals given to :func:`plan` (None: no ``+ms`` columns).
+        partition_bytes: the ``partition_bytes`` given to :func:`plan` (bulk groups).
 
     Returns:
         The table, one line per gradient of ``p`` under a header line.
@@ -653,9 +660,13 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
     model = CostModel(profile, p.world_size, fusion_bytes)
     paths = list(engine_paths(codec, p.strategy)) if codec is not None else []
     head = f"{'gradient':<40}{'numel':>11}{'fused ms':>10}" + "".join(
-        f"{x + ' ms':>11}{'K':>5}" for x in paths) + f"  {'choice':<12}why"
-    lines = [head]
+        f"{x + ' ms':>11}{'K':>5}" for x in paths)
+    if arrivals is not None:
+        head += f"{'fused +ms':>11}" + "".join(f"{x + ' +ms':>11}" for x in paths)
+    lines = [head + f"  {'choice':<12}why"]
     entries = {g.name: g for g in p.gradients}
+    delta = None if arrivals is None else _delay_deltas(p, model, gradients, codec, arrivals,
+                                                        partition_bytes)
     for name, shape in gradients:
         n = _flat_numel(shape)
         shp = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -674,6 +685,10 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
         e = entries.get(str(name))
         if e is None:
             continue
+        if delta is not None:
+            cells += f"{delta(str(name), UNCOMPRESSED):>+11.3f}" + "".join(
+                f"{delta(str(name), Decision(True, best[x].partitions, x)):>+11.3f}"
+                if x in best and shrinks else f"{'-':>11}" for x in paths)
         choice = f"{e.strategy}/{e.partitions}" if e.compress else "fused"
         fastest = min([unc] + [c.total_s for c in best.values()] if shrinks else [unc])
         if not e.compress and not shrinks and codec is not None:
@@ -690,6 +705,42 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
             why = f"no fused buffer (its {model.fused_fixed() * 1e3:.3f} ms saved)"
         lines.append(f"{str(name)[:40]:<40}{n:>11}{unc * 1e3:>10.3f}{cells}  {choice:<12}{why}")
     return "\n".join(lines)
+
+
+def _aligned_arrivals(names: Sequence[str], numels: Sequence[int],
+                      arrivals: Sequence[Tuple[str, int, float]]) -> List[Tuple[str, int, float]]:
+    """``(name, numel, ready_s)`` of every gradient; one without an arrival is ready last."""
+    ready = {str(a[0]): float(a[2]) for a in arrivals}
+    end = max(ready.values(), default=0.0)
+    return [(nm, n, ready.get(nm, end)) for nm, n in zip(names, numels)]
+
+
+def _delay_deltas(p: Plan, model: CostModel, gradients: Sequence[Tuple[str, Any]],
+                  codec: Optional[Codec], arrivals: Sequence[Tuple[str, int, float]],
+                  partition_bytes: int) -> Callable[[str, Decision], float]:
+    """Return ``delta(name, decision)``: how the plan's simulated delay changes, in ms.
+
+    ``delta`` simulates the plan with one gradient's decision replaced and returns that
+    delay less the plan's own (0.0 for the plan's own decision, without simulating).
+    """
+    names = [str(n) for n, _ in gradients]
+    shapes = {str(n): ((s,) if isinstance(s, int) else tuple(s)) for n, s in gradients}
+    arr = _aligned_arrivals(names, [_flat_numel(s) for _, s in gradients], arrivals)
+    base = {g.name: Decision(True, g.partitions, g.strategy) if g.compress else UNCOMPRESSED
+            for g in p.gradients}
+
+    def delay(choices: Dict[str, Decision]) -> float:
+        return simulate(model, arr, choices, codec, p.feedback, partition_bytes,
+                        shapes).delay_s * 1e3
+
+    plan_ms = delay(base)
+
+    def delta(name: str, decision: Decision) -> float:
+        if base.get(name) == decision:
+            return 0.0
+        return delay(dict(base, **{name: decision})) - plan_ms
+
+    return delta
 
 
 def summary_table(p: Plan) -> str:
