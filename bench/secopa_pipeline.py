@@ -224,7 +224,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> int:
     from hipress.codecs import get_codec
-    from hipress.engine.planning import Decision
     from hipress.secopa.cost import CostModel
     from hipress.secopa.pipeline import UNCOMPRESSED, simulate
     from hipress.secopa.planner import Plan, load_gradients
@@ -307,8 +306,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         "threshold": fixed_choices(grads, args.strategy, {}),
         "compress_everything": fixed_choices(grads, args.strategy, everything),
         "compress_nothing": {n: UNCOMPRESSED for n, _ in grads},
-        "plan": {g.name: Decision(g.compress, g.partitions, g.strategy)
-                 for g in plan_file.gradients},
+        "plan": plan_file.decisions(),
     }
     rows = []
     for policy, runs in jobs.items():

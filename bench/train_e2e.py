@@ -380,12 +380,10 @@ def combine(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
                   "bytes_sent_per_step", "world"):
             if k in ok[0]:
                 row[k] = ok[0][k]
-        peers = sorted({p for r in ok for p in r.get("vs", {})})
-        row["vs"] = {p: _median([r["vs"][p] for r in ok if p in r.get("vs", {})])
-                     for p in peers}
-        row["vs_range"] = {p: [min(r["vs"][p] for r in ok if p in r.get("vs", {})),
-                               max(r["vs"][p] for r in ok if p in r.get("vs", {}))]
-                           for p in peers}
+        ratios = {p: [r["vs"][p] for r in ok if p in r.get("vs", {})]
+                  for p in sorted({p for r in ok for p in r.get("vs", {})})}
+        row["vs"] = {p: _median(v) for p, v in ratios.items()}
+        row["vs_range"] = {p: [min(v), max(v)] for p, v in ratios.items()}
         out.append(row)
     return out
 

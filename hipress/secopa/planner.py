@@ -181,6 +181,13 @@ class Plan(BaseModel):
             seen[g.name] = i
         return self
 
+    def decisions(self) -> Dict[str, Decision]:
+        """Return the engine's :class:`~hipress.engine.planning.Decision` per gradient name.
+
+        This is what :func:`hipress.secopa.pipeline.simulate` takes as ``choices``.
+        """
+        return {g.name: Decision(g.compress, g.partitions, g.strategy) for g in self.gradients}
+
     def entry(self, name: str) -> Optional[PlanEntry]:
         """Return the entry of gradient ``name``, or None if the plan has none."""
         if self._index is None or len(self._index) != len(self.gradients):
@@ -248,6 +255,11 @@ def _flat_numel(shape: Any) -> int:
     if isinstance(shape, int):
         return int(shape)
     return int(math.prod(int(d) for d in shape))
+
+
+def _as_shape(shape: Any) -> Tuple[int, ...]:
+    """A gradient's shape as a tuple: an int element count becomes a 1-D shape."""
+    return (shape,) if isinstance(shape, int) else tuple(shape)
 
 
 def may_compress(codec: Optional[Codec], numel: int, shape: Any = None) -> bool:
@@ -529,7 +541,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
     fixed = model.fused_fixed()
     names = [str(n) for n, _ in gradients]
     numels = [_flat_numel(s) for _, s in gradients]
-    shapes = [(s,) if isinstance(s, int) else tuple(s) for _, s in gradients]
+    shapes = [_as_shape(s) for _, s in gradients]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise SeCoPaError(f"gradient names must be unique; repeated: {dup}")
@@ -669,7 +681,7 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
                                                         partition_bytes)
     for name, shape in gradients:
         n = _flat_numel(shape)
-        shp = (shape,) if isinstance(shape, int) else tuple(shape)
+        shp = _as_shape(shape)
         unc = model.uncompressed(n).total_s
         best: Dict[str, Cost] = {}
         shrinks = codec is not None and may_compress(codec, n, shp)
@@ -724,10 +736,9 @@ def _delay_deltas(p: Plan, model: CostModel, gradients: Sequence[Tuple[str, Any]
     delay less the plan's own (0.0 for the plan's own decision, without simulating).
     """
     names = [str(n) for n, _ in gradients]
-    shapes = {str(n): ((s,) if isinstance(s, int) else tuple(s)) for n, s in gradients}
+    shapes = {str(n): _as_shape(s) for n, s in gradients}
     arr = _aligned_arrivals(names, [_flat_numel(s) for _, s in gradients], arrivals)
-    base = {g.name: Decision(True, g.partitions, g.strategy) if g.compress else UNCOMPRESSED
-            for g in p.gradients}
+    base = p.decisions()
 
     def delay(choices: Dict[str, Decision]) -> float:
         return simulate(model, arr, choices, codec, p.feedback, partition_bytes,
