@@ -10,12 +10,17 @@ and codec:
 3. plan from the refitted profile and that timeline (``hipress plan --timeline``): the
    ``plan`` policy's file;
 4. train with ``compress_everything`` (``compression.min_compress_bytes: 0``),
-   ``compress_nothing`` (``--codec none``) and ``plan`` (``sync.plan: <the file>``), each
-   with a timeline;
-5. with ``--repeats R``, R - 1 more rounds of all four policies, interleaved, so that a
-   drift of the machine's speed hits every policy alike; the plan's step over the best
-   fixed policy's step of the same round, per round and their median, is printed in the
-   header (``plan_vs_best_fixed_per_round`` in the JSON);
+   ``compress_nothing`` (``--codec none``), ``plan`` (``sync.plan: <the file>``), each
+   with a timeline,
+   and ``auto`` (``sync.plan: auto``: the job profiles at init, observes its first steps
+   and plans from them itself, :mod:`hipress.secopa.runtime`; its ``--warmup`` grows by
+   the steps before its plan takes effect, and rank 0 saves the plan it made, which the
+   predictions for its row use);
+5. with ``--repeats R``, R - 1 more rounds of all five policies, interleaved, so that a
+   drift of the machine's speed hits every policy alike; the step of ``plan`` and of
+   ``auto`` over the best fixed policy's step of the same round, per round and their
+   median, is printed in the header (``plan_vs_best_fixed_per_round`` and
+   ``auto_vs_best_fixed_per_round`` in the JSON);
 6. for each policy: the **measured** exposed sync time per step (from the timeline: the
    last completion minus the last arrival, a gradient arriving when its last rank
    submits it; median over the timed steps) and step time (the workers' median; both
@@ -63,7 +68,9 @@ from typing import Any, Dict, List, Optional, Sequence
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-POLICIES = ("threshold", "compress_everything", "compress_nothing", "plan")
+POLICIES = ("threshold", "compress_everything", "compress_nothing", "plan", "auto")
+#: the policies that are not fixed rules (compared with the best fixed one of their round)
+PLANNED = ("plan", "auto")
 
 
 def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -92,8 +99,9 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def plan_vs_best_fixed_per_round(jobs: Dict[str, List[Dict[str, Any]]]) -> List[float]:
-    """Return, per round with a plan step, the plan's step / the best fixed policy's step.
+def plan_vs_best_fixed_per_round(jobs: Dict[str, List[Dict[str, Any]]],
+                                  policy: str = "plan") -> List[float]:
+    """Return, per round with a ``policy`` step, its step / the best fixed policy's step.
 
     A round's jobs run minutes apart, rounds tens of minutes apart: the machine's speed
     drifts between rounds more than between a round's jobs, so the ratio within a round
@@ -101,17 +109,19 @@ def plan_vs_best_fixed_per_round(jobs: Dict[str, List[Dict[str, Any]]]) -> List[
 
     Args:
         jobs: per policy, its jobs, each with ``round``, ``rc`` and ``step_s``.
+        policy: ``plan`` (the file ``hipress plan`` made) or ``auto`` (the plan the job
+            made at run time); neither counts as a fixed policy.
     """
     steps: Dict[int, Dict[str, float]] = {}
-    for policy, runs in jobs.items():
+    for name, runs in jobs.items():
         for j in runs:
             if j["rc"] == 0 and j["step_s"]:
-                steps.setdefault(j["round"], {})[policy] = j["step_s"]
+                steps.setdefault(j["round"], {})[name] = j["step_s"]
     out = []
     for rnd in sorted(steps):
-        fixed = [v for k, v in steps[rnd].items() if k != "plan"]
-        if "plan" in steps[rnd] and fixed:
-            out.append(steps[rnd]["plan"] / min(fixed))
+        fixed = [v for k, v in steps[rnd].items() if k not in PLANNED]
+        if policy in steps[rnd] and fixed:
+            out.append(steps[rnd][policy] / min(fixed))
     return out
 
 
@@ -190,13 +200,18 @@ def measured(trace: Path, warmup: int) -> Dict[str, Any]:
 
 
 def worker_step_s(prefix: Path, n: int) -> Optional[float]:
-    """The slowest rank's median step time from the train_e2e workers' JSON files."""
+    """The slowest rank's median timed step from the train_e2e workers' JSON files.
+
+    A worker's ``steps`` include its warm-up steps (``warmup_used`` of them, first): they
+    are left out.
+    """
     meds = []
     for r in range(n):
         f = Path(f"{prefix}.rank{r}.json")
         if not f.exists():
             return None
-        steps = json.loads(f.read_text())["steps"]
+        info = json.loads(f.read_text())
+        steps = info["steps"][int(info.get("warmup_used", 0)):] or info["steps"][-1:]
         meds.append(statistics.median(s["step_s"] for s in steps))
     return max(meds)
 
@@ -250,22 +265,32 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         name = policy if rnd == 0 else f"{policy}.r{rnd}"
         trace = work / f"{name}.trace.json"
         prefix = work / f"{name}"
+        warmup = args.warmup
+        job: Dict[str, Any] = {"trace": trace, "round": rnd, "warmup": warmup}
+        if policy == "auto":  # plans at run time: time only the steps after its plan
+            saved = work / f"{name}.plan.json"
+            cfg = work / f"{name}.yaml"
+            cfg.write_text(json.dumps({"sync": {"plan": "auto", "plan_save": str(saved)}}))
+            env = dict(env, HIPRESS_CONFIG=str(cfg))
+            from hipress.config import SyncConfig
+
+            # before its plan: the first compressed step and the observed ones
+            warmup += 1 + SyncConfig().plan_observe_steps
+            job.update(warmup=warmup, plan_path=saved)
         if args.analyse_only:
             step = worker_step_s(prefix, args.hosts)
-            return {"rc": 0 if step and trace.exists() else 1, "trace": trace, "step_s": step,
-                    "round": rnd}
+            return dict(job, rc=0 if step and trace.exists() else 1, step_s=step)
         for old in [trace, *work.glob(f"{name}.rank*.json")]:
             old.unlink(missing_ok=True)
         rc = runner.run(f"{tag}-{name}", [
             py, str(ROOT / "bench" / "train_e2e_worker.py"), "--system", "hipress", "--model",
             args.model, "--batch-size", str(args.batch_size), "--image-size",
-            str(args.image_size), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+            str(args.image_size), "--seq-len", str(args.seq_len), "--warmup", str(warmup),
             "--iters", str(args.iters),
             "--codec", codec, "--strategy", args.strategy, "--json", str(prefix)]
             + (["--sync-only"] if args.sync_only else []),
             dict(env, HIPRESS_TIMELINE=str(trace)))
-        return {"rc": rc, "trace": trace, "step_s": worker_step_s(prefix, args.hosts),
-                "round": rnd}
+        return dict(job, rc=rc, step_s=worker_step_s(prefix, args.hosts))
 
     grads = load_gradients(args.model)
     jobs: Dict[str, List[Dict[str, Any]]] = {}
@@ -292,9 +317,10 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     how = {"threshold": ({}, args.codec),
            "compress_everything": ({"HIPRESS_CONFIG": str(everything_cfg)}, args.codec),
            "compress_nothing": ({}, "none"),
-           "plan": ({"HIPRESS_CONFIG": str(plan_cfg)}, args.codec)}
+           "plan": ({"HIPRESS_CONFIG": str(plan_cfg)}, args.codec),
+           "auto": ({}, args.codec)}
     for rnd in range(max(args.repeats, 1)):
-        for policy in ("compress_everything", "compress_nothing", "plan", "threshold"):
+        for policy in ("compress_everything", "compress_nothing", "plan", "auto", "threshold"):
             if policy in policies and not (policy == "threshold" and rnd == 0):
                 env, codec_name = how[policy]
                 jobs.setdefault(policy, []).append(train(policy, env, codec_name, rnd))
@@ -314,10 +340,20 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         row: Dict[str, Any] = {"policy": policy, "rc": max(j["rc"] for j in runs),
                                "runs": len(runs), "step_s": None,
                                "step_s_runs": [j["step_s"] for j in runs]}
+        if policy == "auto":  # each job's own plan (rank 0 saved it)
+            for j in ok:
+                j["choices"] = Plan.load(j["plan_path"]).decisions() if (
+                    j["plan_path"].exists()) else None
+            ok = [j for j in ok if j["choices"] is not None]
+            if ok:
+                choices["auto"] = ok[0]["choices"]
+                row["auto_plans"] = [{"basis": Plan.load(j["plan_path"]).basis,
+                                      "compressed": sum(c.compress for c in j["choices"].values())}
+                                     for j in ok]
         if ok:
-            ms = [measured(j["trace"], args.warmup) for j in ok]
-            sims = [simulate(model, m["arrivals"], choices[policy], codec, plan_file.feedback,
-                             shapes=dict(grads)) for m in ms]
+            ms = [measured(j["trace"], j["warmup"]) for j in ok]
+            sims = [simulate(model, m["arrivals"], j.get("choices") or choices[policy], codec,
+                             plan_file.feedback, shapes=dict(grads)) for m, j in zip(ms, ok)]
             row.update(step_s=statistics.median(j["step_s"] for j in ok),
                        measured_exposed_s=statistics.median(m["exposed_s"] for m in ms),
                        backward_s=statistics.median(m["backward_s"] for m in ms),
@@ -331,9 +367,10 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
     for r in rows:
         if floor is not None and r["step_s"]:
             r["predicted_step_s"] = floor + r["predicted_delay_s"]
-    best_fixed = min((r["step_s"] for r in rows if r["policy"] != "plan" and r["step_s"]),
+    best_fixed = min((r["step_s"] for r in rows if r["policy"] not in PLANNED and r["step_s"]),
                      default=None)
     per_round = plan_vs_best_fixed_per_round(jobs)
+    auto_per_round = plan_vs_best_fixed_per_round(jobs, "auto")
     meta = {"model": args.model, "codec": args.codec, "strategy": args.strategy,
             "rate": "local" if args.local else args.rate, "hosts": args.hosts,
             "batch_size": args.batch_size, "image_size": args.image_size,
@@ -346,6 +383,7 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             "plan_predicted_delay_ms": plan_file.predicted_delay_ms,
             "plan_basis": plan_file.basis,
             "plan_vs_best_fixed_per_round": per_round,
+            "auto_vs_best_fixed_per_round": auto_per_round,
             "argv": sys.argv[1:]}
     (out / f"{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"SeCoPa pipeline model vs {'synchronization only' if args.sync_only else 'training'}"
@@ -364,7 +402,11 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
              + f"; {max(args.repeats, 1)} round(s), medians"
              + ("; plan / best fixed policy of the same round: "
                 + ", ".join(f"{x:.3f}" for x in per_round)
-                + f" (median {statistics.median(per_round):.3f})" if per_round else ""), "",
+                + f" (median {statistics.median(per_round):.3f})" if per_round else "")
+             + ("; auto / best fixed policy of the same round: "
+                + ", ".join(f"{x:.3f}" for x in auto_per_round)
+                + f" (median {statistics.median(auto_per_round):.3f})"
+                if auto_per_round else ""), "",
              "| policy | compressed | runs | step s | step s predicted | predicted / measured "
              "| exposed s measured | exposed s predicted | delay s predicted "
              "| step vs best fixed |", "|---|---|---|---|---|---|---|---|---|---|"]

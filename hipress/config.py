@@ -342,6 +342,14 @@ class SyncConfig(BaseModel):
             ranks per machine a BLAS thread per core and rank made each product 4-25x
             slower (see :mod:`hipress.engine.blas`).
         plan: ``none``, ``auto`` or the path of a SeCoPa plan file.
+        plan_observe_steps: with ``plan: auto``, the training steps (after the first
+            compressed one) run under the fixed policy with an in-memory timeline before
+            SeCoPa plans the whole gradient set from them: the arrival times over the
+            backward pass and the codec costs measured under training load
+            (:mod:`hipress.secopa.runtime`). 0 plans each gradient on arrival from the
+            init-time profile alone (a sum of per-gradient costs, no overlap).
+        plan_save: with ``plan: auto``, a path where rank 0 writes the plan it made (a
+            plan file for ``plan: <path>`` in later jobs: they skip the observation).
     """
 
     model_config = _STRICT
@@ -356,6 +364,8 @@ class SyncConfig(BaseModel):
     compute_threads: int = Field(0, ge=0)
     blas_threads: int = Field(1, ge=0)
     plan: str = Field("none", min_length=1)
+    plan_observe_steps: int = Field(3, ge=0)
+    plan_save: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod

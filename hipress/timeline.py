@@ -118,6 +118,20 @@ class Timeline:
         with self._lock:
             return list(self._events)
 
+    def record_in_memory(self, on: bool) -> None:
+        """Record events in memory only (``on``), or stop and drop them (``on`` False).
+
+        For a timeline that is off (no ``timeline:`` path): SeCoPa's ``sync.plan: auto``
+        records a few steps this way to plan from. A timeline with a file is left as it
+        is (its events are kept and written).
+        """
+        if self.path is not None:
+            return
+        with self._lock:
+            self.enabled = bool(on)
+            if not on:
+                self._events = []
+
     def maybe_flush(self) -> None:
         """Flush if the oldest unwritten event has waited :data:`FLUSH_INTERVAL_S` (cheap)."""
         if self._pending and time.monotonic() - self._last_flush >= FLUSH_INTERVAL_S:

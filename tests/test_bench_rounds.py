@@ -6,6 +6,7 @@ bench/train_e2e.py and bench/secopa_pipeline.py, their pure functions only.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -123,3 +124,19 @@ def test_secopa_pipeline_compares_the_plan_within_each_round():
     jobs["plan"][2]["rc"] = 0  # round 2's best fixed policy is threshold
     assert pipe.plan_vs_best_fixed_per_round(jobs)[2] == pytest.approx(3.839 / 3.768)
     assert pipe.plan_vs_best_fixed_per_round({"plan": jobs["plan"]}) == []
+    # the run-time plan (sync.plan: auto) is not a fixed policy either, and has its own
+    jobs["auto"] = [{"round": 0, "rc": 0, "step_s": 3.5}, {"round": 2, "rc": 0, "step_s": 3.9}]
+    assert pipe.plan_vs_best_fixed_per_round(jobs, "auto") == pytest.approx(
+        [3.5 / 3.593, 3.9 / 3.768])
+    assert pipe.plan_vs_best_fixed_per_round(jobs)[0] == pytest.approx(3.798 / 3.593)
+
+
+def test_secopa_pipeline_times_only_the_steps_after_the_warmup(tmp_path):
+    pipe = _load("secopa_pipeline")
+    # an auto job: 6 warm-up steps (the first and the observed ones are slow), 3 timed
+    for r, timed in enumerate([[3.9, 3.6, 3.8], [3.7, 4.0, 3.5]]):
+        steps = [9.1, 4.7, 4.6, 8.2, 4.5, 4.4] + timed
+        (tmp_path / f"auto.rank{r}.json").write_text(json.dumps(
+            {"warmup_used": 6, "steps": [{"step_s": s} for s in steps]}))
+    assert pipe.worker_step_s(tmp_path / "auto", 2) == pytest.approx(3.8)  # the slower rank
+    assert pipe.worker_step_s(tmp_path / "auto", 3) is None  # rank 2 left no file

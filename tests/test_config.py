@@ -49,6 +49,7 @@ def test_defaults_match_schema():
     assert cfg.sync.cycle_time_ms == 20.0
     assert cfg.sync.stall_warning_s == 60.0 and cfg.sync.stall_shutdown_s == 0.0
     assert cfg.sync.compute_threads == 0 and cfg.sync.plan == "none"
+    assert cfg.sync.plan_observe_steps == 3 and cfg.sync.plan_save is None
     assert cfg.timeline is None and cfg.logging.level == "INFO"
 
 
@@ -107,6 +108,8 @@ def test_unknown_keys_in_sync_cluster_job_logging():
         ({"sync": {"cycle_time_ms": -1.0}}, "sync.cycle_time_ms: expected a value > 0"),
         ({"sync": {"partitions": 0}}, "sync.partitions: expected a value >= 1, got 0"),
         ({"sync": {"compute_threads": -1}}, "sync.compute_threads: expected a value >= 0"),
+        ({"sync": {"plan_observe_steps": -1}},
+         "sync.plan_observe_steps: expected a value >= 0, got -1"),
         ({"sync": {"strategy": "allreduce"}},
          "sync.strategy: expected one of 'auto', 'ps' or 'ring', got 'allreduce'"),
         ({"compression": {"memory": "ef"}},

@@ -84,6 +84,30 @@ def test_secopa_plan_auto_is_followed():
     assert "compression.algorithm" in said[0]
 
 
+def test_secopa_plan_auto_observes_steps_then_plans_them_all(tmp_path):
+    save = tmp_path / "auto-plan.json"
+    t0 = time.monotonic()
+    proc = run_cases(2, ["plan_auto_observes_then_plans"], env={"PLAN_SAVE": str(save)})
+    took = time.monotonic() - t0
+    said = [ln for ln in proc.stderr.splitlines() if "SeCoPa planned 3 gradients" in ln]
+    assert len(said) == 1 and "observed steps 1-2" in said[0], proc.stderr[-3000:]
+    assert "refitted to the observed steps" in said[0], said[0]
+    from hipress.secopa.planner import Plan
+
+    p = Plan.load(save)
+    assert p.world_size == 2 and p.codec == "onebit" and len(p.gradients) == 3
+    assert p.predicted_delay_ms and set(p.predicted_delay_ms) >= {"plan", "threshold"}, p
+    assert took < 120, f"the job took {took:.0f} s"
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_secopa_plan_auto_carries_residuals_to_the_plans_partitions(np_):
+    proc = run_cases(np_, ["plan_auto_regroups_residuals"])
+    said = [ln for ln in proc.stderr.splitlines() if "change partitions or path" in ln]
+    assert len(said) == 1 and "1 gradient(s)" in said[0], proc.stderr[-3000:]
+    assert "carried over (524288 elements on rank 0)" in said[0], said[0]
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_cycle_paces_rounds_and_a_waiting_rank_starts_one_at_once(np_):
     run_cases(np_, ["cycle_paces_rounds_and_waiting_flushes"])

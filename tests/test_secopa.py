@@ -34,6 +34,7 @@ from hipress.secopa import (
     run_profile,
 )
 from hipress.secopa.planner import may_compress
+from hipress.secopa.profile import codec_key
 
 GiB = 1e-9  # seconds per byte at 1 GB/s
 
@@ -1116,6 +1117,128 @@ def test_plan_follower_auto_profiles_the_configured_codec(monkeypatch):
     # a codec that was not profiled falls back to the fixed policy
     assert f.decide("w2", np.zeros(10**6, np.float32), get_codec("onebit"), "ps") == (
         True, 1, "ps")
+
+
+def test_comm_sizes_measure_the_anchor_second_so_a_short_profile_sees_the_bandwidth():
+    from hipress.secopa.profile import COMM_ANCHOR_BYTES, DEFAULT_COMM_SIZES, comm_order
+
+    got = comm_order(DEFAULT_COMM_SIZES)
+    assert got[:3] == [64, COMM_ANCHOR_BYTES, 256] and sorted(got) == list(DEFAULT_COMM_SIZES)
+    assert comm_order([64, 1024, 1 << 30]) == [64, 1024, 1 << 30]  # 1 KiB: the largest <= 4 MiB
+    assert comm_order([1 << 23, 1 << 24, 1 << 25]) == [1 << 23, 1 << 24, 1 << 25]  # none <= 4 MiB
+    assert comm_order([64, 1 << 20]) == [64, 1 << 20]
+
+
+def test_step_vectors_read_one_ranks_steps_relative_to_its_first_submission():
+    from hipress.secopa.pipeline import step_vectors
+
+    def ev(kind, name, ts_ms, step):
+        return {"name": kind, "ph": "X", "pid": 0, "ts": ts_ms * 1e3, "dur": 0,
+                "args": {"gradient": name, "step": step}}
+
+    events = [ev("submit", "fc", 1000.0, 1), ev("submit", "conv", 1004.0, 1),
+              ev("done", "fc", 1006.0, 1), ev("done", "conv", 1009.5, 1),
+              ev("submit", "other", 900.0, 1),  # not asked for: neither origin nor end
+              ev("done", "other", 1100.0, 1),
+              ev("submit", "fc", 2000.0, 2), ev("done", "fc", 2003.0, 2),  # conv missing
+              ev("submit", "fc", 3000.0, 3),  # a step not asked for
+              {"name": "encode", "ph": "X", "ts": 1.0, "args": {"gradient": "fc", "step": 1}}]
+    got = step_vectors(events, ["conv", "fc"], [1, 2, 5])
+    assert got.shape == (3, 3) and got.dtype == np.float64
+    np.testing.assert_allclose(got[0], [4e-3, 0.0, 9.5e-3], atol=1e-9)
+    np.testing.assert_allclose(got[1], [-1.0, 0.0, 3e-3], atol=1e-9)
+    assert (got[2] == -1.0).all()  # no submission in step 5
+
+
+class _FakeEngine:
+    """What PlanFollower.step_done uses of the engine, at world size 1 of a 2-rank plan."""
+
+    def __init__(self):
+        from hipress.timeline import Timeline
+
+        self.timeline = Timeline(False)
+        self.step_count = 0
+        self.sent = []
+        self.regrouped = {}
+
+    def submit(self, array, name, op="average"):
+        self.sent.append((name, op, array.shape))
+        return types.SimpleNamespace(wait=lambda: array.copy())
+
+    def broadcast(self, array, root, name):
+        self.sent.append((name, root, array.shape))
+        return types.SimpleNamespace(wait=lambda: array.copy())
+
+    def regroup_state(self, name, numel, codec, old, new):
+        self.regrouped[name] = (old, new)
+        return (numel, 0) if old != new else (0, 0)
+
+
+def _observing_follower(observe_steps):
+    cfg = config_from_dict({"compression": {"algorithm": "onebit"},
+                            "sync": {"plan": "auto", "plan_observe_steps": observe_steps}})
+    f = PlanFollower(cfg, types.SimpleNamespace(rank=0, size=2, mpi=None))
+    prof = make_profile(2)
+    f.profile, f._main_codec, f._ready = prof, get_codec("onebit"), True
+    f._model = CostModel(prof, 2)
+    return f
+
+
+def test_plan_follower_auto_plans_the_observed_steps_and_follows_the_plan(caplog):
+    f = _observing_follower(2)
+    eng = _FakeEngine()
+    onebit = get_codec("onebit")
+    shapes = {"fc": (1024, 1024), "conv": (64, 64, 3, 3), "bias": (64,)}
+    arrays = {n: np.zeros(s, np.float32) for n, s in shapes.items()}
+    for step in range(3):  # step 0 left out, steps 1 and 2 observed
+        for i, (n, a) in enumerate(arrays.items()):
+            # the fixed policy meanwhile: >= 64 KiB compressed, 4 MiB partitions
+            assert f.decide(n, a, onebit, None) == ((True, 1, "auto") if a.nbytes >= 65536
+                                                    else (False, 1, "auto"))
+            t = eng.timeline.now_us() + 2000 * i
+            eng.timeline.add("submit", t, 0, gradient=n, numel=a.size, step=step)
+            eng.timeline.add("done", t + 30000, 0, gradient=n, step=step)
+        eng.step_count = step + 1
+        with caplog.at_level("INFO", logger="hipress.secopa.runtime"):
+            f.step_done(eng)
+        assert eng.timeline.enabled == (step < 2), step
+    assert f.observed and f.plan is not None
+    assert eng.sent == [("__secopa.arrivals", "max", (2 * 4,)),
+                        ("__secopa.plan", 0, eng.sent[1][2])]
+    assert eng.timeline.events() == []  # the in-memory recording is dropped
+    assert {g.name for g in f.plan.gradients} == set(shapes) and f.plan.predicted_delay_ms
+    said = [r.getMessage() for r in caplog.records if "SeCoPa planned" in r.getMessage()]
+    assert len(said) == 1 and "observed steps 1-2" in said[0] and "not refitted" in said[0]
+    for n, a in arrays.items():  # the plan decides now
+        e = f.plan.entry(n)
+        want = (True, e.partitions, e.strategy) if e.compress else (False, 1, "auto")
+        assert f.decide(n, a, onebit, None) == want, n
+        # the engine was told each gradient's change, from the fixed policy's decision
+        fixed = (True, 1, "auto") if a.nbytes >= 65536 else (False, 1, "auto")
+        assert eng.regrouped[n] == (fixed, (e.compress, e.partitions, e.strategy)), n
+    # a gradient the plan does not name: the per-gradient model, not the fixed policy
+    assert f.decide("new", np.zeros(16, np.float32), onebit, None) == (False, 1, "auto")
+    eng.step_count = 10
+    f.step_done(eng)  # plans once
+    assert len(eng.sent) == 2
+
+
+def test_plan_follower_auto_says_why_it_cannot_plan_and_decides_each_gradient(caplog):
+    f = _observing_follower(1)
+    eng = _FakeEngine()
+    for count in (1, 2):  # nothing of the codec was submitted in the observed step
+        eng.step_count = count
+        with caplog.at_level("WARNING", logger="hipress.secopa.runtime"):
+            f.step_done(eng)
+    assert f.observed and f.plan is None and not eng.timeline.enabled
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1, said
+    assert "no gradient of codec 'onebit' was submitted in steps 1-1" in said[0]
+    assert "deciding each gradient from the profile" in said[0]
+    big = np.zeros((1024, 1024), np.float32)
+    onebit = get_codec("onebit")
+    got = f.decide("fc", big, onebit, None)  # the per-gradient model's answer, cached
+    assert got == f._cache[("fc", (1024, 1024), codec_key(onebit.name, onebit.params()), "auto")]
 
 
 def test_cli_plan_verbose_with_a_timeline_prints_each_options_change_of_delay(tmp_path,

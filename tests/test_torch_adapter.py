@@ -31,7 +31,7 @@ JOBS = {
         "names_checked", "sparse_embedding", "checkpoint", "broadcast_state",
         "loss_falls_every_codec", "ddp_hook", "gradscaler_overflow",
         "ddp_powersgd_per_parameter", "ddp_rules_on_parameter_names",
-        "differentiable_collectives", "inplace_and_async_collectives",
+        "differentiable_collectives", "inplace_and_async_collectives", "ddp_plan_auto",
     ] + [f"{c}@torch" for c in SUITE_13 + SUITE_14],
     3: ["identity_exact", "bfloat16_cpu", "sparse_embedding", "gradscaler_overflow",
         "ddp_powersgd_per_parameter", "differentiable_collectives",
@@ -104,6 +104,10 @@ def test_loss_falls_for_every_codec():
 
 def test_ddp_comm_hook_averages_buckets():
     _check(2, "ddp_hook")
+
+
+def test_ddp_hook_under_plan_auto_plans_at_the_same_bucket_on_every_rank():
+    _check(2, "ddp_plan_auto")
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -48,7 +48,7 @@ from hipress.codecs import Codec, get_codec
 from hipress.config import summarize_effective
 from hipress.engine import tasks as T
 from hipress.engine.blas import limit_numpy_blas
-from hipress.engine.planning import FixedPolicy, GradientPlanner
+from hipress.engine.planning import Decision, FixedPolicy, GradientPlanner
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
 from hipress.errors import (
     CollectiveArgumentError,
@@ -58,7 +58,7 @@ from hipress.errors import (
     StallError,
     SyncError,
 )
-from hipress.memory import Memory, get_memory
+from hipress.memory import Memory, ResidualMemory, get_memory
 from hipress.timeline import Timeline, write_trace
 
 logger = logging.getLogger(__name__)
@@ -525,7 +525,8 @@ class Engine:
         """Count a finished training step (warm-up steps run uncompressed).
 
         Also checks that compression asked for in this step did run (see
-        :meth:`_check_compressed`).
+        :meth:`_check_compressed`), then tells the planner (``step_done``: SeCoPa's
+        ``sync.plan: auto`` plans here once, collectively, from the steps it observed).
         """
         self._announce()
         if self.step_count >= self.cfg.compression.warmup_steps:
@@ -533,6 +534,7 @@ class Engine:
         if self.timeline.enabled:
             self._record_engine_cpu()
         self.step_count += 1
+        self._plan.step_done(self)
 
     def _record_engine_cpu(self) -> None:
         """Record the engine's CPU time and task steps since the last step (timeline on).
@@ -652,6 +654,68 @@ class Engine:
             The number of state entries dropped (all of them for an empty prefix).
         """
         return sum(mem.reset_prefix(prefix) for mem in self._memories.values())
+
+    def regroup_state(self, name: str, numel: int, codec: Optional[Codec],
+                      old: Decision, new: Decision) -> Tuple[int, int]:
+        """Carry a gradient's error-feedback residuals over to a new partitioning.
+
+        Residuals are kept per partition (``name#p<i>`` on the PS path, ``name`` or
+        ``name#p<i>`` on the gather path), so a planner that changes a gradient's
+        partitions or path between steps (SeCoPa's ``sync.plan: auto``) calls this on
+        every rank at the same step boundary, with nothing of ``name`` in flight. This
+        rank's residual of the whole gradient (its partitions' residuals, in element
+        order) is split over the new partitions; what cannot be carried is dropped: the
+        aggregator's residuals of merged partitions (``@agg``: its partitions change
+        owner), ring chunk residuals, DGC state, and any residual of a gradient that will
+        go uncompressed or on the ring path.
+
+        Args:
+            name: the gradient's name.
+            numel: its element count.
+            codec: the codec it is compressed with (None: uncompressed).
+            old: what it did so far (compress, partitions, strategy).
+            new: what it will do.
+
+        Returns:
+            ``(elements carried, state entries dropped)`` over this rank's memories;
+            ``(0, 0)``, touching nothing, when both take the same path and partitions.
+        """
+        def layout(d: Decision) -> Tuple[str, int]:
+            if codec is None or not d.compress:
+                return "none", 1
+            return self._compressed_path(codec, d.strategy), max(1, int(d.partitions))
+
+        (path, parts) = layout(new)
+        if layout(old) == (path, parts):
+            return 0, 0
+        keys: Optional[List[str]] = (
+            [f"{name}#p{i}" for i in range(parts)] if path == "ps" else
+            ([name] if parts == 1 else [f"{name}#p{i}" for i in range(parts)])
+            if path == "gather" else None)
+        carried = dropped = 0
+        for mem in self._memories.values():
+            held: List[str] = []  # this rank's residual keys of the gradient, in order
+            while f"{name}#p{len(held)}" in mem:
+                held.append(f"{name}#p{len(held)}")
+            if not held and name in mem:
+                held = [name]
+            states = [mem.get(k) for k in held] if isinstance(mem, ResidualMemory) else []
+            full = None
+            if states and all(getattr(x, "size", -1) >= 0 for x in states) and sum(
+                    int(x.size) for x in states) == int(numel):
+                xp = array_module(states[0])
+                full = xp.concatenate([x.reshape(-1) for x in states])
+            had = (1 if name in mem else 0) + sum(
+                mem.reset_prefix(p) for p in (f"{name}#", f"{name}/"))
+            mem.reset(name)
+            if full is not None and keys is not None:
+                bounds = T._bounds(int(numel), len(keys))
+                for i, key in enumerate(keys):
+                    mem.put(key, full[bounds[i]:bounds[i + 1]].copy())
+                carried += int(numel)
+                had -= len(held)
+            dropped += had
+        return carried, dropped
 
     def state_dict(self) -> Dict[str, Any]:
         """Return error-feedback memories and codec state, keyed by names (picklable).
@@ -866,7 +930,11 @@ class Engine:
             return sub.kind
         if codec is None:
             return "fused" if sub.op in ("average", "sum") else "reduce"
-        forced = sub.strategy if sub.strategy in STRATEGIES else None
+        return self._compressed_path(codec, sub.strategy)
+
+    def _compressed_path(self, codec: Codec, strategy: Optional[str]) -> str:
+        """Return the path of a compressed allreduce with ``codec`` and ``strategy``."""
+        forced = strategy if strategy in STRATEGIES else None
         if not codec.mergeable or codec.variable_size:
             path = "allreduce" if codec.summable and not codec.variable_size else "gather"
             if forced in ("ps", "ring") and codec.name not in self._warned and self.rank == 0:

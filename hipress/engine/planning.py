@@ -45,6 +45,14 @@ class GradientPlanner(Protocol):
                strategy: Optional[str]) -> Decision:
         """Return the :class:`Decision` for one submitted gradient (same on every rank)."""
 
+    def step_done(self, engine: Any) -> None:
+        """Called by :meth:`Engine.step` on every rank after each training step.
+
+        ``engine.step_count`` is the number of steps finished. A planner may run the
+        engine's collectives here (every rank calls it at the same step) and change its
+        decisions from the next step on.
+        """
+
 
 class FixedPolicy:
     """The engine's policy without a plan.
@@ -64,6 +72,9 @@ class FixedPolicy:
 
     def setup(self) -> None:
         """Nothing to prepare."""
+
+    def step_done(self, engine: Any) -> None:
+        """Nothing changes between steps."""
 
     def decide(self, name: str, array: Any, codec: Optional[Codec],
                strategy: Optional[str]) -> Decision:

@@ -97,6 +97,10 @@ class Memory:
             del self._state[k]
         return len(keys)
 
+    def put(self, name: str, value: Any) -> None:
+        """Set the state of ``name`` (a residual: an array shaped like what is encoded)."""
+        self._state[name] = value
+
     def __contains__(self, name: str) -> bool:
         return name in self._state
 
@@ -367,6 +371,11 @@ class ResidualMemory(Memory):
             self._pending.pop(name, None)
         else:
             self._pending.clear()
+
+    def put(self, name: str, value: Any) -> None:
+        """As :meth:`Memory.put`; a deferred update of ``name`` is dropped."""
+        self._pending.pop(name, None)
+        super().put(name, value)
 
     def reset_prefix(self, prefix: str) -> int:
         """As :meth:`Memory.reset_prefix`, deferred updates included."""

@@ -59,6 +59,8 @@ import heapq
 import math
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 from hipress.codecs import Codec
 from hipress.engine.engine import BULK_MAX_BYTES, FUSION_HOLD_BYTES
 from hipress.engine.planning import Decision
@@ -327,3 +329,53 @@ def median_step(measured: Sequence[Dict[str, float]], skip: int) -> int:
     """
     keep = list(range(min(max(skip, 0), len(measured) - 1), len(measured)))
     return sorted(keep, key=lambda i: measured[i]["exposed_s"])[(len(keep) - 1) // 2]
+
+
+def step_vectors(events: Sequence[Dict[str, Any]], names: Sequence[str],
+                 steps: Sequence[int]) -> np.ndarray:
+    """Return one rank's arrival and completion times per step, for combining over ranks.
+
+    ``sync.plan: auto`` plans from the steps a job observed
+    (:class:`hipress.secopa.runtime.PlanFollower`); each rank reads its own in-memory
+    timeline with this, the ranks take the element-wise maximum (an allreduce), and the
+    result is what :func:`arrivals_from_timeline` gives for a whole job's timeline (a
+    gradient arrives when its last rank submits it), except that each rank's times are
+    relative to its own first submission, so clocks of different hosts need not agree.
+
+    Args:
+        events: the rank's timeline events (``submit`` and ``done``, as the engine
+            records them; others are ignored).
+        names: the gradients, in an order every rank shares.
+        steps: the step numbers (the events' ``step`` argument) to read.
+
+    Returns:
+        float64 array of shape ``(len(steps), len(names) + 1)``: per step, each gradient's
+        submission time in seconds from the step's first submission of one of ``names``,
+        then the step's last completion of one of them from the same origin; -1.0 where
+        the step has no such event (a step without submissions is all -1).
+    """
+    col = {str(n): i for i, n in enumerate(names)}
+    row = {int(s): i for i, s in enumerate(steps)}
+    sub = np.full((len(row), len(col)), np.nan)
+    done = np.full((len(row), len(col)), np.nan)
+    for e in events:
+        kind = e.get("name")
+        if kind not in ("submit", "done"):
+            continue
+        a = e.get("args") or {}
+        i, j = row.get(int(a.get("step", -1))), col.get(str(a.get("gradient")))
+        if i is None or j is None:
+            continue
+        target = sub if kind == "submit" else done
+        ts = float(e["ts"]) * 1e-6
+        target[i, j] = ts if np.isnan(target[i, j]) else max(target[i, j], ts)
+    out = np.full((len(row), len(col) + 1), -1.0)
+    for i in range(len(row)):
+        if np.all(np.isnan(sub[i])):
+            continue
+        t0 = np.nanmin(sub[i])
+        got = ~np.isnan(sub[i])
+        out[i, :-1][got] = sub[i][got] - t0
+        if not np.all(np.isnan(done[i])):
+            out[i, -1] = max(np.nanmax(done[i]) - t0, 0.0)
+    return out

@@ -48,8 +48,13 @@ It is split 40 % communication (when there are >= 2 ranks) and 60 % compute; wit
 part the time left is shared evenly by the series still to measure (message patterns;
 error feedback and one series per codec). Sizes are measured smallest first; a series
 stops before a size whose predicted time (the previous size's, scaled by the size ratio)
-would overrun its share, after at least two sizes. Each size is measured with adaptive
-repetitions (>= 3, until ~30 ms of samples) and reduced to their 20th percentile
+would overrun its share, after at least two sizes. A message pattern's second size is its
+largest of at most :data:`COMM_ANCHOR_BYTES` (4 MiB), whatever the budget: links shaped
+by a token bucket (``tc tbf``, and switches with deep buffers) pass the first tens of KiB
+at memory speed, so a sweep of small sizes alone fits no per-byte cost at all (a 5 s
+profile of the emulated 1 Gbit/s cluster stopped at 64 KiB and priced 64 MiB like 64 B);
+the other sizes follow, smallest first, while the share lasts. Each size is measured
+with adaptive repetitions (>= 3, until ~30 ms of samples) and reduced to their 20th percentile
 (:data:`FIT_PERCENTILE`: the undisturbed cost, not a neighbour's burst); the largest
 relative spread of a series, ``(p80 - p20) / p20``, is kept as its fit's ``spread``.
 The share of each host's cores that other programs kept busy meanwhile is recorded
@@ -121,6 +126,9 @@ COMM_PRIMITIVES = ("ring_step", "ps_gather", "ps_bcast", "allgather", "allreduce
 #: the engine's idle poll sleep (hipress.engine.engine: time.sleep(0.0002) while busy)
 ENGINE_POLL_SLEEP_S = 0.0002
 _COMM_SHARE = 0.4
+#: a message pattern's second size, measured whatever the budget: the largest default
+#: size of at most this (see the module docstring)
+COMM_ANCHOR_BYTES = 4 << 20
 #: allreduce sizes from which the machines' busy CPU counts for ``wire_cpu_s_per_byte``
 #: (below, fixed costs and polling dominate)
 _WIRE_CPU_MIN_BYTES = 1 << 20
@@ -793,6 +801,25 @@ def _machine_id() -> str:
         return socket.gethostname()
 
 
+def comm_order(sizes: Sequence[int], anchor: int = COMM_ANCHOR_BYTES) -> List[int]:
+    """Return the order message sizes are measured in: the smallest, the anchor, the rest.
+
+    The anchor is the largest of ``sizes`` of at most ``anchor`` bytes (the smallest size
+    if none is); the rest follow smallest first.
+
+    Args:
+        sizes: message sizes in bytes, ascending.
+        anchor: bytes (:data:`COMM_ANCHOR_BYTES`).
+    """
+    sizes = list(sizes)
+    if len(sizes) < 3:
+        return sizes
+    big = max((s for s in sizes if s <= anchor), default=sizes[0])
+    if big == sizes[0]:
+        return sizes
+    return [sizes[0], big] + [s for s in sizes[1:] if s != big]
+
+
 def _measure_comm(comm: Any, mpi: Any, sched: Any, clock: _Clock, pattern: str, nbytes: int,
                   deadline: float, min_window_s: float = 0.0
                   ) -> Optional[Tuple[float, float, float]]:
@@ -969,9 +996,11 @@ def _measure_and_fit(comm: Any, codecs: Sequence[Any], sizes: Optional[Sequence[
             pts: List[Tuple[float, float]] = []
             spread = 0.0
             last = 0.0
-            for i, nbytes in enumerate(comm_sizes):
-                if not go_on(i, deadline, last, nbytes / comm_sizes[max(i - 1, 0)]):
+            prev = comm_sizes[0]
+            for i, nbytes in enumerate(comm_order(comm_sizes)):
+                if not go_on(i, deadline, last, nbytes / prev):
                     break
+                prev = nbytes
                 t0 = time.perf_counter()
                 wire = pattern == "allreduce" and nbytes >= _WIRE_CPU_MIN_BYTES
                 got = _measure_comm(comm, MPI, sched, clock, pattern, nbytes, deadline,

@@ -11,11 +11,33 @@ submitted: compress it or not, into how many partitions, on which path.
   or names with another element count, fall back to the fixed policy (with a warning).
 - ``sync.plan: auto`` — at setup every rank takes part in a brief
   :func:`~hipress.secopa.profile.run_profile` of the configured codecs on a duplicate of
-  ``MPI.COMM_WORLD`` (budget ``sync.plan_profile_s`` if the config has it, else
-  :data:`AUTO_PROFILE_S` seconds, plus the codecs' warm-up); each gradient is then
-  planned by :func:`~hipress.secopa.planner.decide` when it first arrives (cached by
-  name, size, codec and strategy). The profile is identical on every rank, so every rank
-  decides the same.
+  ``MPI.COMM_WORLD`` (:data:`AUTO_PROFILE_S` seconds, plus the codecs' warm-up). Then,
+  with ``sync.plan_observe_steps`` W > 0 (default 3), the job trains under the fixed
+  policy while the engine records an in-memory timeline of W steps (the first compressed
+  step, with its one-off costs, is left out), and at the end of the last of them every
+  rank plans collectively (:meth:`PlanFollower.step_done`), as ``hipress profile
+  --from-timeline`` and ``hipress plan --timeline`` do for a finished job:
+
+  1. each rank reads its gradients' submission and completion times per step
+     (:func:`~hipress.secopa.pipeline.step_vectors`), and an allreduce (max) makes each
+     gradient's arrival that of its last rank;
+  2. rank 0 refits the profile's compute costs, negotiation round and cores' shares to
+     its own timeline (:func:`~hipress.secopa.profile.refit_from_timeline`), takes the
+     observed step with the median exposed time, and plans the whole set of gradients of
+     the job's codec (``compression.algorithm``) against those arrivals with the
+     pipeline simulation (:func:`~hipress.secopa.planner.plan`, keeping the best fixed
+     policy unless the search gains ``min_gain`` of the iteration);
+  3. rank 0 broadcasts the plan, every rank follows it from the next step on (and rank 0
+     writes it to ``sync.plan_save`` when set).
+
+  Gradients the plan does not name (another codec, or first submitted later) are
+  decided one by one by :func:`~hipress.secopa.planner.decide` from the profile (cached
+  by name, size, codec and strategy), as every gradient is with W = 0. Without codec
+  spans to refit from, rank 0 plans with the init-time profile and says so; if planning
+  fails (no gradient of the codec was observed, ...) it says why and every rank goes on
+  deciding gradient by gradient. The observation costs the timeline's recording for W
+  steps and, once, the planning (about a second for VGG-19's 38 gradients) while the
+  other ranks wait.
 
 Decisions must agree across ranks (the partitions of a gradient are not negotiated);
 everything here is deterministic given the broadcast profile or plan.
@@ -27,12 +49,15 @@ import json
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
+
 from hipress.codecs import Codec, get_codec
 from hipress.engine.planning import Decision, FixedPolicy
 from hipress.secopa.cost import CostModel
-from hipress.secopa.errors import PlanError, ProfileError
-from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS, Plan, decide
-from hipress.secopa.profile import Profile, codec_key, run_profile
+from hipress.secopa.errors import PlanError, ProfileError, SeCoPaError
+from hipress.secopa.pipeline import median_step, step_vectors
+from hipress.secopa.planner import DEFAULT_MAX_PARTITIONS, Plan, decide, plan, summary_table
+from hipress.secopa.profile import Profile, codec_key, refit_from_timeline, run_profile
 
 logger = logging.getLogger(__name__)
 #: gradients missing from a plan file named one by one before a single summary warning
@@ -71,9 +96,19 @@ class PlanFollower:
         self.mode = "none" if spec.lower() == "none" else "auto" if spec.lower() == "auto" \
             else "file"
         self.path = spec if self.mode == "file" else None
-        self.profile_s = float(getattr(cfg.sync, "plan_profile_s", None) or AUTO_PROFILE_S)
-        self.max_partitions = int(getattr(cfg.sync, "plan_max_partitions", None)
-                                  or DEFAULT_MAX_PARTITIONS)
+        self.profile_s = AUTO_PROFILE_S
+        self.max_partitions = DEFAULT_MAX_PARTITIONS
+        #: steps observed before ``auto`` plans the whole set (0: per gradient at once)
+        self.observe_steps = int(cfg.sync.plan_observe_steps)
+        #: the first observed step (the first compressed one, with its one-off costs, is not)
+        self.observe_from = int(cfg.compression.warmup_steps) + 1
+        #: ``auto``: the observation is over (planned, or planning failed)
+        self.observed = self.observe_steps == 0
+        #: name -> (shape, the fixed policy's decision) of the gradients of the job's
+        #: codec seen before planning
+        self._seen: Dict[str, Tuple[Tuple[int, ...], Decision]] = {}
+        self._main_codec: Optional[Codec] = None
+        self._events_from = 0
         self.profile: Optional[Profile] = None
         self.plan: Optional[Plan] = None
         self._model: Optional[CostModel] = None
@@ -125,10 +160,21 @@ class PlanFollower:
                     comm.Free()
                 self._model = CostModel(self.profile, self.size,
                                         self.cfg.sync.fusion_threshold_bytes)
+                comp = self.cfg.compression
+                if comp.algorithm != "none":
+                    self._main_codec = self._lookup(comp.algorithm, dict(comp.params))
+                if self._main_codec is None or self.size == 1:
+                    self.observed = True
                 if self.rank == 0:
-                    logger.info("SeCoPa: profiled %d codec(s) on %d rank(s) in %.1f s; "
-                                "planning each gradient on arrival", len(codecs), self.size,
-                                self.profile.elapsed_s)
+                    logger.info(
+                        "SeCoPa: profiled %d codec(s) on %d rank(s) in %.1f s; %s",
+                        len(codecs), self.size, self.profile.elapsed_s,
+                        "planning each gradient on arrival" if self.observed else
+                        f"observing steps {self.observe_from}-"
+                        f"{self.observe_from + self.observe_steps - 1} under the fixed "
+                        "policy, then planning them all")
+            else:
+                self.observed = True
         self._ready = True
 
     def _configured_codecs(self) -> List[Codec]:
@@ -209,7 +255,19 @@ class PlanFollower:
             return self._fixed(numel, array, strategy)
         if self.mode == "auto" and self._model is not None:
             shape = tuple(int(d) for d in getattr(array, "shape", (numel,)))
-            key = (name, shape, codec_key(codec.name, codec.params()), strategy)
+            ckey = codec_key(codec.name, codec.params())
+            main = self._main_codec
+            is_main = main is not None and ckey == codec_key(main.name, main.params())
+            if not self.observed:  # the fixed policy while the steps are observed
+                fixed = self._fixed(numel, array, strategy)
+                if is_main:
+                    self._seen[name] = (shape, fixed)
+                return fixed
+            entry = self.plan.entry(name) if self.plan is not None and is_main else None
+            if entry is not None and entry.numel == numel:
+                return (Decision(True, entry.partitions, entry.strategy) if entry.compress
+                        else Decision(False, 1, strategy))
+            key = (name, shape, ckey, strategy)
             got = self._cache.get(key)
             if got is not None:
                 return got
@@ -229,6 +287,118 @@ class PlanFollower:
                     entry.model_dump(exclude={"name", "numel"})))
             return got
         return self._fixed(numel, array, strategy)
+
+    # ------------------------------------------------------------------ auto: observe
+    def step_done(self, engine: Any) -> None:
+        """Observe, then plan, at step boundaries (``sync.plan: auto``; every rank).
+
+        After step ``observe_from - 1`` it turns on the engine's in-memory timeline (a
+        timeline written to a file records anyway); after step ``observe_from +
+        plan_observe_steps - 1`` it plans (module docstring): an allreduce and a
+        broadcast through ``engine``, which every rank reaches at the same step.
+
+        Raises:
+            HiPressError: the engine's collectives failed (a peer failed, ...). Planning
+                errors are not raised: rank 0 logs them and every rank goes on deciding
+                gradient by gradient.
+        """
+        if self.mode != "auto" or self.observed:
+            return
+        done = int(engine.step_count)
+        if done == self.observe_from:
+            self._events_from = len(engine.timeline.events())
+            engine.timeline.record_in_memory(True)
+        elif done >= self.observe_from + self.observe_steps:
+            self.observed = True
+            events = engine.timeline.events()[self._events_from:]
+            engine.timeline.record_in_memory(False)
+            self._plan_observed(engine, events)
+
+    def _plan_observed(self, engine: Any, events: List[Dict[str, Any]]) -> None:
+        """Combine the ranks' arrivals, plan on rank 0 and broadcast the plan."""
+        names = sorted(self._seen)
+        steps = list(range(self.observe_from, self.observe_from + self.observe_steps))
+        mine = step_vectors(events, names, steps)
+        # the same name and size on every rank; a rank that saw other gradients fails
+        # the allreduce on every rank with both sizes named
+        both = engine.submit(mine.ravel(), "__secopa.arrivals", op="max").wait()
+        vec = np.asarray(both, dtype=np.float64).reshape(mine.shape)
+        text = b""
+        if self.rank == 0:
+            try:
+                text = self._plan_on_rank0(names, steps, vec, events).encode()
+            except Exception as exc:  # noqa: BLE001 - every rank must get an answer
+                if not isinstance(exc, SeCoPaError):
+                    logger.exception("SeCoPa's planning failed")
+                text = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+        raw = engine.broadcast(np.frombuffer(text, dtype=np.uint8), 0, "__secopa.plan").wait()
+        got = json.loads(bytes(np.asarray(raw, dtype=np.uint8)).decode())
+        if "error" in got:
+            if self.rank == 0:
+                logger.warning("SeCoPa could not plan from the observed steps (%s); deciding "
+                               "each gradient from the profile instead", got["error"])
+            return
+        self.plan = Plan.from_json(json.dumps(got), "sync.plan: auto")
+        self._cache.clear()
+        carried = dropped = moved = 0
+        for g in self.plan.gradients:  # residuals follow the plan's partitions
+            before = self._seen.get(g.name)
+            if before is None:
+                continue
+            after = Decision(g.compress, g.partitions, g.strategy)
+            c, d = engine.regroup_state(g.name, g.numel, self._main_codec, before[1], after)
+            carried, dropped = carried + c, dropped + d
+            moved += (c, d) != (0, 0)
+        if self.rank == 0 and moved:
+            logger.info("SeCoPa: %d gradient(s) change partitions or path; their "
+                        "error-feedback residuals were carried over (%d elements on rank 0) "
+                        "and %d state entries that cannot follow (aggregator residuals, ring "
+                        "chunks, now uncompressed) dropped", moved, carried, dropped)
+
+    def _plan_on_rank0(self, names: List[str], steps: List[int], vec: np.ndarray,
+                       events: List[Dict[str, Any]]) -> str:
+        """Refit, plan and return the plan's JSON (rank 0)."""
+        measured = []
+        for row in vec:
+            got = row[:-1][row[:-1] >= 0]
+            back = float(got.max()) if got.size else 0.0
+            end = float(row[-1]) if row[-1] >= 0 else back
+            measured.append({"backward_s": back, "end_s": end, "exposed_s": max(0.0, end - back)})
+        if not names or not any(row[:-1].max() >= 0 for row in vec):
+            raise SeCoPaError(f"no gradient of codec {self.cfg.compression.algorithm!r} was "
+                              f"submitted in steps {steps[0]}-{steps[-1]}")
+        mid = median_step(measured, 0)
+        shapes = {n: self._seen[n][0] for n in names}
+        arrivals = [(n, int(np.prod(shapes[n], dtype=np.int64)), float(t))
+                    for n, t in zip(names, vec[mid, :-1]) if t >= 0]
+        assert self.profile is not None
+        try:
+            prof, _ = refit_from_timeline(self.profile, events, source="sync.plan: auto")
+            how = "refitted to the observed steps"
+        except ProfileError as exc:
+            prof, how = self.profile, f"not refitted ({exc})"
+        comp, sync = self.cfg.compression, self.cfg.sync
+        p = plan(prof, [(n, shapes[n]) for n in names], self._main_codec, sync.strategy,
+                 self.size, max_partitions=self.max_partitions, memory=comp.memory,
+                 fusion_bytes=sync.fusion_threshold_bytes,
+                 min_compress_bytes=comp.min_compress_bytes,
+                 partition_bytes=sync.partition_bytes, profile_source=f"auto: profile {how}",
+                 arrivals=arrivals)
+        m = measured[mid]
+        logger.info("SeCoPa planned %d gradients from observed steps %d-%d (profile %s; "
+                    "arrivals of step %d, the median of %d by exposed time: last gradient "
+                    "ready %.1f ms, exposed %.1f ms):\n%s", len(names), steps[0], steps[-1],
+                    how, steps[mid], len(measured), m["backward_s"] * 1e3,
+                    m["exposed_s"] * 1e3, summary_table(p))
+        if sync.plan_save:
+            try:
+                p.save(sync.plan_save)
+                logger.info("SeCoPa: wrote the plan to %s (sync.plan: %s reuses it)",
+                            sync.plan_save, sync.plan_save)
+            except OSError as exc:
+                logger.warning("SeCoPa could not write the plan to %s: %s", sync.plan_save,
+                               exc.strerror)
+        return p.to_json()
 
     def _fixed(self, numel: int, array: Any, strategy: str) -> Decision:
         """Apply the engine's fixed policy (:class:`~hipress.engine.planning.FixedPolicy`)."""

@@ -370,7 +370,8 @@ def powersgd_compresses_matrices():
 def plan_auto_followed():
     """sync.plan: auto profiles at init; big gradients get compressed, tiny ones do not."""
     hp.shutdown()
-    hp.init({"compression": {"algorithm": "onebit"}, "sync": {"plan": "auto"},
+    hp.init({"compression": {"algorithm": "onebit"},
+             "sync": {"plan": "auto", "plan_observe_steps": 0},
              "logging": {"level": "WARNING"}})
     r = hp.rank()
     rng = np.random.default_rng(r)
@@ -399,6 +400,94 @@ def plan_auto_followed():
     assert not plan.decide("plan.tiny.explicit", t, _get("onebit"), None)[0]
     hp.allreduce(t, "plan.tiny.explicit", codec="onebit")
     assert hp.stats()["plan.tiny.explicit"]["codec"] == "onebit", hp.stats()
+
+
+@case
+def plan_auto_observes_then_plans():
+    """sync.plan: auto with 2 observed steps: the fixed policy until then, one plan made
+    from them (identical on every rank, written to sync.plan_save), followed after."""
+    hp.shutdown()
+    save = os.environ["PLAN_SAVE"]
+    hp.init({"compression": {"algorithm": "onebit"},
+             "sync": {"plan": "auto", "plan_observe_steps": 2, "plan_save": save},
+             "logging": {"level": "INFO"}})
+    from hipress.api import _engine
+
+    eng = _engine()
+    follower = eng._plan
+    r = hp.rank()
+    rng = np.random.default_rng(r)
+    shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3), "obs.bias": (16,)}
+    for step in range(5):
+        hs = {}
+        for name, shape in shapes.items():  # the backward pass: last layer first
+            time.sleep(0.01)
+            hs[name] = hp.allreduce_async(rng.standard_normal(shape).astype(np.float32),
+                                          name, codec="auto")
+        for name, h in hs.items():
+            same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
+        st = hp.stats()
+        if step < 3:  # step 0 is left out, 1-2 observed: the fixed policy (64 KiB)
+            assert follower.plan is None, step
+            assert st["obs.fc"]["codec"] == "onebit" and st["obs.bias"]["codec"] == "none", st
+            assert eng.timeline.enabled == (step >= 1), (step, eng.timeline.enabled)
+        else:  # planned at the end of step 2: followed from step 3 on
+            p = follower.plan
+            assert p is not None and {g.name for g in p.gradients} == set(shapes), p
+            for g in p.gradients:
+                assert g.numel == int(np.prod(shapes[g.name])), g
+                assert st[g.name]["codec"] == ("onebit" if g.compress else "none"), (g, st)
+            # the recording stopped and its events were dropped (no timeline file)
+            assert not eng.timeline.enabled and eng.timeline.events() == []
+        hp.step()
+    same_everywhere(follower.plan.to_json().encode(), "auto-plan")
+    if r == 0:
+        with open(save, encoding="utf-8") as f:
+            assert f.read().strip() == follower.plan.to_json().strip()
+
+
+@case
+def plan_auto_regroups_residuals():
+    """A run-time plan that cuts a gradient into 3 PS partitions where the fixed policy
+    had 1: its residual follows (split, not lost) and the next steps run bit-identical."""
+    hp.shutdown()
+    from hipress.engine.planning import Decision
+    from hipress.memory import ResidualMemory
+    from hipress.secopa import runtime
+
+    real = runtime.plan
+
+    def three_parts(*a, **kw):  # the planner's answer, forced: obs.fc in 3 PS partitions,
+        p = real(*a, **kw)      # obs.conv as the fixed policy had it
+        for g in p.gradients:
+            g.compress, g.partitions, g.strategy = True, 3 if g.name == "obs.fc" else 1, "ps"
+        return p
+
+    runtime.plan = three_parts
+    hp.init({"compression": {"algorithm": "onebit"},
+             "sync": {"plan": "auto", "plan_observe_steps": 1},
+             "logging": {"level": "INFO"}})
+    from hipress.api import _engine
+
+    eng = _engine()
+    rng = np.random.default_rng(hp.rank())
+    shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3)}
+    for step in range(4):
+        hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n, codec="auto")
+              for n, s in shapes.items()}
+        for name, h in hs.items():
+            same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
+        if step == 1:  # the fixed policy's one partition (2 MiB < 4 MiB), about to change
+            mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
+            assert eng._plan._seen["obs.fc"][1] == Decision(True, 1, "auto")
+            before = mem.get("obs.fc#p0").copy()
+            assert "obs.fc#p1" not in mem
+        hp.step()
+        if step == 1:  # planned: the residual is now three partitions of the same values
+            parts = [mem.get(f"obs.fc#p{i}") for i in range(3)]
+            assert all(p is not None for p in parts) and "obs.fc#p3" not in mem
+            np.testing.assert_array_equal(np.concatenate(parts), before)
+    assert hp.stats()["obs.fc"]["codec"] == "onebit"
 
 
 @case

@@ -638,6 +638,46 @@ def ddp_rules_on_parameter_names():
         assert stats[f"rules.{n}"]["codec"] == want, (n, stats[f"rules.{n}"])
 
 
+@case
+def ddp_plan_auto():
+    """DDP's comm hook under sync.plan: auto: the hook counts the steps (a bucket index
+    repeats), every rank plans at the same bucket, and the replicas stay identical."""
+    import hashlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hipress.api import _engine
+
+    hp.shutdown()
+    hp.init({"compression": {"algorithm": "onebit"},
+             "sync": {"plan": "auto", "plan_observe_steps": 1, "stall_timeout_s": 20},
+             "logging": {"level": "WARNING"}})
+    try:
+        _ddp_group()
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(),
+                                        torch.nn.Linear(128, 10)), bucket_cap_mb=0.05)
+        model.register_comm_hook(hp.DDPHookState(model, prefix="auto"), hp.make_ddp_hook())
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(hp.rank())
+        for _ in range(5):
+            opt.zero_grad()
+            model(torch.randn(8, 256, generator=g)).pow(2).sum().backward()
+            opt.step()
+        p = _engine()._plan.plan  # made at iteration 2's first bucket, followed since
+        assert p is not None and {gr.name for gr in p.gradients} == {
+            f"auto.{n}" for n, _ in model.module.named_parameters()}, p
+        digest = hashlib.sha1(b"".join(q.detach().numpy().tobytes()
+                                       for q in model.parameters())).hexdigest()
+        got = [hp.broadcast_object(digest, root_rank=r, name=f"ddp-auto-{r}")
+               for r in range(hp.size())]
+        assert len(set(got)) == 1, got
+    finally:
+        hp.shutdown()
+        hp.init({"compression": {"min_compress_bytes": 0}, "sync": {"stall_timeout_s": 20},
+                 "logging": {"level": "WARNING"}})
+
+
 # ----------------------------------------------------------------------------- main
 def main():
     names = sys.argv[1].split(",")
