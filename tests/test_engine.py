@@ -103,9 +103,20 @@ def test_secopa_plan_auto_observes_steps_then_plans_them_all(tmp_path):
 @pytest.mark.parametrize("np_", [2, 3])
 def test_secopa_plan_auto_carries_residuals_to_the_plans_partitions(np_):
     proc = run_cases(np_, ["plan_auto_regroups_residuals"])
-    said = [ln for ln in proc.stderr.splitlines() if "change partitions or path" in ln]
-    assert len(said) == 1 and "1 gradient(s)" in said[0], proc.stderr[-3000:]
-    assert "carried over (524288 elements on rank 0)" in said[0], said[0]
+    said = [ln for ln in proc.stderr.splitlines() if "error-feedback residual was" in ln]
+    assert len(said) == 1, proc.stderr[-3000:]  # rank 0, once at INFO
+    assert ("'obs.fc' now runs on the ps path in 3 partition(s) (was ps in 1)" in said[0]
+            and "re-split (524288 elements)" in said[0]), said[0]
+
+
+def test_secopa_plan_auto_resumes_from_a_checkpoint_loaded_on_one_rank():
+    run_cases(2, ["plan_auto_resume_on_rank0"])
+
+
+def test_secopa_plan_auto_names_a_rank_that_joined_during_the_observation():
+    t0 = time.monotonic()
+    run_cases(2, ["plan_auto_join_early"])
+    assert time.monotonic() - t0 < 90
 
 
 @pytest.mark.parametrize("np_", [2, 3])

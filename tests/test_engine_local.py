@@ -240,37 +240,49 @@ def test_limit_numpy_blas_sets_and_restores_the_count():
         limit_numpy_blas(-1)
 
 
-def test_regroup_state_carries_residuals_over_to_new_partitions():
+def test_fit_state_re_splits_residuals_when_the_partitions_change():
     from hipress.codecs import get_codec
-    from hipress.engine.planning import Decision
 
     eng = make_engine()
-    onebit = get_codec("onebit")
-    mem = eng._memory_for(onebit)
+    mem = eng._memory_for(get_codec("onebit"))
     full = np.arange(10, dtype=np.float32)
+
+    def stored(prefix):
+        return sorted(k for k in mem.keys() if k.startswith(prefix))
+
+    eng._fit_state(mem, "w", 10, "ps", 2)  # the first job: nothing stored, nothing done
+    assert mem.keys() == []
     mem.put("w#p0", full[:5].copy())
     mem.put("w#p1", full[5:].copy())
     mem.put("w#p1@agg", np.ones(5, np.float32))  # this rank aggregated partition 1
     mem.put("w2#p0", np.full(3, 7.0, np.float32))  # another gradient: untouched
-    ps2, ps3 = Decision(True, 2, "ps"), Decision(True, 3, "ps")
-    # the same layout: nothing moves, nothing is dropped
-    assert eng.regroup_state("w", 10, onebit, ps2, Decision(True, 2, "auto")) == (0, 0)
-    assert "w#p1@agg" in mem
+    eng._fit_state(mem, "w", 10, "ps", 2)  # the same layout: nothing moves
+    assert stored("w#") == ["w#p0", "w#p1", "w#p1@agg"]
     # 2 -> 3 partitions: split as np.array_split does; the aggregator's residual goes
-    assert eng.regroup_state("w", 10, onebit, ps2, ps3) == (10, 1)
+    eng._fit_state(mem, "w", 10, "ps", 3)
+    assert stored("w#") == ["w#p0", "w#p1", "w#p2"]
     for i, part in enumerate(np.array_split(full, 3)):
         np.testing.assert_array_equal(mem.get(f"w#p{i}"), part)
-    assert "w#p1@agg" not in mem and "w#p3" not in mem
     np.testing.assert_array_equal(mem.get("w2#p0"), np.full(3, 7.0, np.float32))
     # the gather path, one partition: the whole residual under the gradient's own name
-    assert eng.regroup_state("w", 10, onebit, ps3, Decision(True, 1, "gather")) == (10, 0)
+    eng._fit_state(mem, "w", 10, "gather", 1)
     np.testing.assert_array_equal(mem.get("w"), full)
-    assert not any(k.startswith("w#") for k in mem.state_dict())
-    # uncompressed from now on: the residual cannot follow
-    assert eng.regroup_state("w", 10, onebit, Decision(True, 1, "gather"),
-                             Decision(False, 1, "auto")) == (0, 1)
+    assert stored("w#") == []
+    # the ring path keeps residuals per chunk: they cannot be carried over
+    eng._fit_state(mem, "w", 10, "ring", 2)
     assert "w" not in mem
+    # after a checkpoint is loaded, the stored layout is checked at the next job
+    mem.put("v#p0", full[:5].copy())
+    mem.put("v#p1", full[5:].copy())
+    eng.load_state_dict({"step": 7})
+    eng._fit_state(mem, "v", 10, "ps", 2)  # it fits: kept as it is
+    assert stored("v#") == ["v#p0", "v#p1"]
+    eng.load_state_dict({"step": 7})
+    eng._fit_state(mem, "v", 10, "ps", 1)  # saved under 2 partitions, now 1: re-split
+    np.testing.assert_array_equal(mem.get("v#p0"), full)
+    assert stored("v#") == ["v#p0"]
     # residuals that do not add up to the gradient (another model's) are dropped
-    mem.put("v#p0", np.zeros(4, np.float32))
-    assert eng.regroup_state("v", 10, onebit, Decision(True, 1, "ps"), ps2) == (0, 1)
-    assert "v#p0" not in mem
+    mem.put("u#p0", np.zeros(4, np.float32))
+    eng.load_state_dict({"step": 7})
+    eng._fit_state(mem, "u", 10, "ps", 2)
+    assert stored("u#") == []

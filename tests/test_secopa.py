@@ -1159,7 +1159,6 @@ class _FakeEngine:
         self.timeline = Timeline(False)
         self.step_count = 0
         self.sent = []
-        self.regrouped = {}
 
     def submit(self, array, name, op="average"):
         self.sent.append((name, op, array.shape))
@@ -1168,10 +1167,6 @@ class _FakeEngine:
     def broadcast(self, array, root, name):
         self.sent.append((name, root, array.shape))
         return types.SimpleNamespace(wait=lambda: array.copy())
-
-    def regroup_state(self, name, numel, codec, old, new):
-        self.regrouped[name] = (old, new)
-        return (numel, 0) if old != new else (0, 0)
 
 
 def _observing_follower(observe_steps):
@@ -1213,9 +1208,6 @@ def test_plan_follower_auto_plans_the_observed_steps_and_follows_the_plan(caplog
         e = f.plan.entry(n)
         want = (True, e.partitions, e.strategy) if e.compress else (False, 1, "auto")
         assert f.decide(n, a, onebit, None) == want, n
-        # the engine was told each gradient's change, from the fixed policy's decision
-        fixed = (True, 1, "auto") if a.nbytes >= 65536 else (False, 1, "auto")
-        assert eng.regrouped[n] == (fixed, (e.compress, e.partitions, e.strategy)), n
     # a gradient the plan does not name: the per-gradient model, not the fixed policy
     assert f.decide("new", np.zeros(16, np.float32), onebit, None) == (False, 1, "auto")
     eng.step_count = 10

@@ -48,7 +48,7 @@ from hipress.codecs import Codec, get_codec
 from hipress.config import summarize_effective
 from hipress.engine import tasks as T
 from hipress.engine.blas import limit_numpy_blas
-from hipress.engine.planning import Decision, FixedPolicy, GradientPlanner
+from hipress.engine.planning import FixedPolicy, GradientPlanner
 from hipress.engine.scheduler import Scheduler, set_os_thread_name
 from hipress.errors import (
     CollectiveArgumentError,
@@ -218,6 +218,9 @@ class Engine:
         self._collective_error = False
         self._announced = False
         self._memories: Dict[str, Memory] = {"none": get_memory("none")}
+        #: per gradient, the (path, partitions) its residuals are kept for (_fit_state)
+        self._layouts: Dict[str, Tuple[str, int]] = {}
+        self._warned_regroup = False
         self._lock = threading.Lock()
         self._queue: Deque[_Submission] = collections.deque()
         self._inflight: Dict[str, _Submission] = {}
@@ -655,67 +658,64 @@ class Engine:
         """
         return sum(mem.reset_prefix(prefix) for mem in self._memories.values())
 
-    def regroup_state(self, name: str, numel: int, codec: Optional[Codec],
-                      old: Decision, new: Decision) -> Tuple[int, int]:
-        """Carry a gradient's error-feedback residuals over to a new partitioning.
+    def _fit_state(self, mem: Memory, name: str, numel: int, path: str, parts: int) -> None:
+        """Make this rank's residuals of ``name`` fit the partitions it now runs in.
 
         Residuals are kept per partition (``name#p<i>`` on the PS path, ``name`` or
-        ``name#p<i>`` on the gather path), so a planner that changes a gradient's
-        partitions or path between steps (SeCoPa's ``sync.plan: auto``) calls this on
-        every rank at the same step boundary, with nothing of ``name`` in flight. This
-        rank's residual of the whole gradient (its partitions' residuals, in element
-        order) is split over the new partitions; what cannot be carried is dropped: the
-        aggregator's residuals of merged partitions (``@agg``: its partitions change
-        owner), ring chunk residuals, DGC state, and any residual of a gradient that will
-        go uncompressed or on the ring path.
-
-        Args:
-            name: the gradient's name.
-            numel: its element count.
-            codec: the codec it is compressed with (None: uncompressed).
-            old: what it did so far (compress, partitions, strategy).
-            new: what it will do.
-
-        Returns:
-            ``(elements carried, state entries dropped)`` over this rank's memories;
-            ``(0, 0)``, touching nothing, when both take the same path and partitions.
+        ``name#p<i>`` on the gather path, ``name#p<i>c<j>`` per ring chunk), so when a
+        gradient's path or partition count changes between steps (a SeCoPa plan made at
+        run time, a codec rule, a checkpoint saved under another plan) the stored ones no
+        longer fit. The engine thread calls this as each compressed job starts; it costs
+        one dictionary lookup unless the layout changed (or, once per gradient after
+        ``init`` or :meth:`load_state_dict`, to check the stored layout). On a change this
+        rank's residual of the whole gradient (its partitions', in element order) is split
+        over the new partitions (as ``np.array_split`` does); what cannot follow is
+        dropped: the aggregator's residuals of merged partitions (``@agg``: partitions
+        change owner), ring chunk residuals, and residuals that do not add up to the
+        gradient. Rank 0 says so at INFO the first time, at DEBUG after.
         """
-        def layout(d: Decision) -> Tuple[str, int]:
-            if codec is None or not d.compress:
-                return "none", 1
-            return self._compressed_path(codec, d.strategy), max(1, int(d.partitions))
-
-        (path, parts) = layout(new)
-        if layout(old) == (path, parts):
-            return 0, 0
+        lay = (path, parts)
+        prev = self._layouts.get(name)
+        if prev == lay:
+            return
+        self._layouts[name] = lay
         keys: Optional[List[str]] = (
             [f"{name}#p{i}" for i in range(parts)] if path == "ps" else
             ([name] if parts == 1 else [f"{name}#p{i}" for i in range(parts)])
             if path == "gather" else None)
-        carried = dropped = 0
-        for mem in self._memories.values():
-            held: List[str] = []  # this rank's residual keys of the gradient, in order
-            while f"{name}#p{len(held)}" in mem:
-                held.append(f"{name}#p{len(held)}")
-            if not held and name in mem:
-                held = [name]
-            states = [mem.get(k) for k in held] if isinstance(mem, ResidualMemory) else []
-            full = None
-            if states and all(getattr(x, "size", -1) >= 0 for x in states) and sum(
-                    int(x.size) for x in states) == int(numel):
-                xp = array_module(states[0])
-                full = xp.concatenate([x.reshape(-1) for x in states])
-            had = (1 if name in mem else 0) + sum(
-                mem.reset_prefix(p) for p in (f"{name}#", f"{name}/"))
-            mem.reset(name)
-            if full is not None and keys is not None:
-                bounds = T._bounds(int(numel), len(keys))
-                for i, key in enumerate(keys):
-                    mem.put(key, full[bounds[i]:bounds[i + 1]].copy())
-                carried += int(numel)
-                had -= len(held)
-            dropped += had
-        return carried, dropped
+        held: List[str] = []  # the stored residual keys of the gradient, in element order
+        while f"{name}#p{len(held)}" in mem:
+            held.append(f"{name}#p{len(held)}")
+        if not held and name in mem:
+            held = [name]
+        if prev is None and _layout_fits(mem, name, held, keys, path, parts):
+            return  # the first job since init/load, and what is stored fits
+        states = [mem.get(k) for k in held] if isinstance(mem, ResidualMemory) else []
+        full = None
+        if states and all(getattr(x, "size", -1) >= 0 for x in states) and sum(
+                int(x.size) for x in states) == int(numel):
+            xp = array_module(states[0])
+            full = xp.concatenate([x.reshape(-1) for x in states])
+        dropped = (1 if name in mem else 0) + mem.reset_prefix(f"{name}#p")
+        mem.reset(name)
+        carried = 0
+        if full is not None and keys is not None:
+            bounds = T._bounds(int(numel), len(keys))
+            for i, key in enumerate(keys):
+                mem.put(key, full[bounds[i]:bounds[i + 1]].copy())
+            carried = int(numel)
+            dropped -= len(held)
+        if self.rank == 0:
+            level = logging.DEBUG if self._warned_regroup else logging.INFO
+            self._warned_regroup = True
+            logger.log(level, "HiPress: %r now runs on the %s path in %d partition(s) (was %s); "
+                       "its error-feedback residual was %s, %d stored entr%s that cannot "
+                       "follow (aggregator residuals, ring chunks) dropped%s", name, path,
+                       parts, f"{prev[0]} in {prev[1]}" if prev else "stored for another",
+                       f"re-split ({carried} elements)" if carried else "not carried",
+                       dropped, "y" if dropped == 1 else "ies",
+                       "" if level == logging.DEBUG else "; later re-splits are logged at "
+                       "DEBUG")
 
     def state_dict(self) -> Dict[str, Any]:
         """Return error-feedback memories and codec state, keyed by names (picklable).
@@ -743,6 +743,7 @@ class Engine:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (codecs are rebuilt from their keys)."""
         self.step_count = int(state.get("step", 0))
+        self._layouts.clear()  # the loaded residuals' layout is checked at their next job
         for key, mstate in state.get("memories", {}).items():
             kind, params = _split_key(key)
             self._memory(kind, params).load_state_dict(mstate)
@@ -930,11 +931,7 @@ class Engine:
             return sub.kind
         if codec is None:
             return "fused" if sub.op in ("average", "sum") else "reduce"
-        return self._compressed_path(codec, sub.strategy)
-
-    def _compressed_path(self, codec: Codec, strategy: Optional[str]) -> str:
-        """Return the path of a compressed allreduce with ``codec`` and ``strategy``."""
-        forced = strategy if strategy in STRATEGIES else None
+        forced = sub.strategy if sub.strategy in STRATEGIES else None
         if not codec.mergeable or codec.variable_size:
             path = "allreduce" if codec.summable and not codec.variable_size else "gather"
             if forced in ("ps", "ring") and codec.name not in self._warned and self.rank == 0:
@@ -1490,6 +1487,7 @@ class Engine:
             else:
                 n = job.flat.size
                 parts = min(sub.partitions or self._partitions(n * job.flat.dtype.itemsize), n)
+                self._fit_state(job.memory, sub.name, n, path, parts)
                 if path == "ps" and parts == 1 and job.flat.nbytes <= BULK_MAX_BYTES:
                     bulk.append((job, zlib.crc32(sub.name.encode()) % self.size))
                     continue
@@ -1652,6 +1650,28 @@ class _StallWatch:
             self._next = (waited // self.warning_s + 1) * self.warning_s
             return "warn"
         return None
+
+
+def _layout_fits(mem: Memory, name: str, held: List[str], keys: Optional[List[str]],
+                 path: str, parts: int) -> bool:
+    """Whether ``name``'s stored residuals are kept for ``parts`` partitions on ``path``.
+
+    ``held``: its stored ``name#p<i>`` keys from 0 up (or ``[name]``); ``keys``: those the
+    path and partitions use (None on the ring path). The sizes follow from the element
+    count, which the engine already checks.
+    """
+    prefix = f"{name}#p"
+    others = []
+    for k in mem.keys():
+        if k.startswith(prefix) and k not in held:
+            rest = k[len(prefix):]
+            digits = len(rest) - len(rest.lstrip("0123456789"))
+            others.append((int(rest[:digits]) if digits else -1, rest[digits:]))
+    if not held and not others:
+        return True  # nothing stored yet
+    if path == "ring":
+        return not held and all(0 <= i < parts and rest.startswith("c") for i, rest in others)
+    return keys == held and all(0 <= i < parts and rest == "@agg" for i, rest in others)
 
 
 def _describe_stall(stall: List[list], size: int, limit: int = 8) -> str:

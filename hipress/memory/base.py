@@ -101,6 +101,10 @@ class Memory:
         """Set the state of ``name`` (a residual: an array shaped like what is encoded)."""
         self._state[name] = value
 
+    def keys(self) -> List[str]:
+        """Return the names that have state."""
+        return list(self._state)
+
     def __contains__(self, name: str) -> bool:
         return name in self._state
 

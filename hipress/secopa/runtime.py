@@ -28,7 +28,12 @@ submitted: compress it or not, into how many partitions, on which path.
      pipeline simulation (:func:`~hipress.secopa.planner.plan`, keeping the best fixed
      policy unless the search gains ``min_gain`` of the iteration);
   3. rank 0 broadcasts the plan, every rank follows it from the next step on (and rank 0
-     writes it to ``sync.plan_save`` when set).
+     writes it to ``sync.plan_save`` when set); where it changes a gradient's partitions,
+     the engine re-splits that gradient's error-feedback residuals at its next job.
+
+  Steps are counted by :meth:`PlanFollower.step_done` calls since ``init``, alike on
+  every rank. A rank that calls ``join()`` during the observed steps makes the planning
+  fail on the others with a :class:`~hipress.errors.ConfigError` naming it and the fix.
 
   Gradients the plan does not name (another codec, or first submitted later) are
   decided one by one by :func:`~hipress.secopa.planner.decide` from the profile (cached
@@ -53,6 +58,7 @@ import numpy as np
 
 from hipress.codecs import Codec, get_codec
 from hipress.engine.planning import Decision, FixedPolicy
+from hipress.errors import CollectiveArgumentError
 from hipress.secopa.cost import CostModel
 from hipress.secopa.errors import PlanError, ProfileError, SeCoPaError
 from hipress.secopa.pipeline import median_step, step_vectors
@@ -104,11 +110,14 @@ class PlanFollower:
         self.observe_from = int(cfg.compression.warmup_steps) + 1
         #: ``auto``: the observation is over (planned, or planning failed)
         self.observed = self.observe_steps == 0
-        #: name -> (shape, the fixed policy's decision) of the gradients of the job's
-        #: codec seen before planning
-        self._seen: Dict[str, Tuple[Tuple[int, ...], Decision]] = {}
+        #: name -> shape of the gradients of the job's codec seen before planning
+        self._seen: Dict[str, Tuple[int, ...]] = {}
+        #: step_done calls so far: every rank makes as many (its step count may differ,
+        #: e.g. after a checkpoint loaded on rank 0 only)
+        self._steps = 0
         self._main_codec: Optional[Codec] = None
         self._events_from = 0
+        self._first_step = self.observe_from
         self.profile: Optional[Profile] = None
         self.plan: Optional[Plan] = None
         self._model: Optional[CostModel] = None
@@ -259,10 +268,9 @@ class PlanFollower:
             main = self._main_codec
             is_main = main is not None and ckey == codec_key(main.name, main.params())
             if not self.observed:  # the fixed policy while the steps are observed
-                fixed = self._fixed(numel, array, strategy)
                 if is_main:
-                    self._seen[name] = (shape, fixed)
-                return fixed
+                    self._seen[name] = shape
+                return self._fixed(numel, array, strategy)
             entry = self.plan.entry(name) if self.plan is not None and is_main else None
             if entry is not None and entry.numel == numel:
                 return (Decision(True, entry.partitions, entry.strategy) if entry.compress
@@ -292,23 +300,28 @@ class PlanFollower:
     def step_done(self, engine: Any) -> None:
         """Observe, then plan, at step boundaries (``sync.plan: auto``; every rank).
 
-        After step ``observe_from - 1`` it turns on the engine's in-memory timeline (a
-        timeline written to a file records anyway); after step ``observe_from +
-        plan_observe_steps - 1`` it plans (module docstring): an allreduce and a
-        broadcast through ``engine``, which every rank reaches at the same step.
+        Steps are counted by these calls since ``init``, which every rank makes alike
+        (not by ``engine.step_count``, which a checkpoint loaded on one rank changes).
+        After call ``observe_from`` it turns on the engine's in-memory timeline (a
+        timeline written to a file records anyway); after call ``observe_from +
+        plan_observe_steps`` it plans (module docstring): an allreduce and a broadcast
+        through ``engine``, which every rank reaches at the same call.
 
         Raises:
+            ConfigError: a rank had called ``join()`` (its data ran out) during the
+                observed steps: the ranks cannot plan together.
             HiPressError: the engine's collectives failed (a peer failed, ...). Planning
                 errors are not raised: rank 0 logs them and every rank goes on deciding
                 gradient by gradient.
         """
         if self.mode != "auto" or self.observed:
             return
-        done = int(engine.step_count)
-        if done == self.observe_from:
+        self._steps += 1
+        if self._steps == self.observe_from:
             self._events_from = len(engine.timeline.events())
+            self._first_step = int(engine.step_count)  # this rank's number of the next step
             engine.timeline.record_in_memory(True)
-        elif done >= self.observe_from + self.observe_steps:
+        elif self._steps >= self.observe_from + self.observe_steps:
             self.observed = True
             events = engine.timeline.events()[self._events_from:]
             engine.timeline.record_in_memory(False)
@@ -317,11 +330,21 @@ class PlanFollower:
     def _plan_observed(self, engine: Any, events: List[Dict[str, Any]]) -> None:
         """Combine the ranks' arrivals, plan on rank 0 and broadcast the plan."""
         names = sorted(self._seen)
-        steps = list(range(self.observe_from, self.observe_from + self.observe_steps))
+        steps = list(range(self._first_step, self._first_step + self.observe_steps))
         mine = step_vectors(events, names, steps)
         # the same name and size on every rank; a rank that saw other gradients fails
         # the allreduce on every rank with both sizes named
-        both = engine.submit(mine.ravel(), "__secopa.arrivals", op="max").wait()
+        try:
+            both = engine.submit(mine.ravel(), "__secopa.arrivals", op="max").wait()
+        except CollectiveArgumentError as exc:
+            from hipress.errors import ConfigError
+
+            raise ConfigError(
+                f"sync.plan: auto plans with every rank at the end of its observed steps "
+                f"{steps[0]}-{steps[-1]}, but {exc}. Give every rank data for the first "
+                f"{steps[-1] + 1} steps, lower sync.plan_observe_steps, or plan from a file "
+                "(sync.plan_save in a run with even data, then sync.plan: <that file>)"
+            ) from exc
         vec = np.asarray(both, dtype=np.float64).reshape(mine.shape)
         text = b""
         if self.rank == 0:
@@ -340,20 +363,6 @@ class PlanFollower:
             return
         self.plan = Plan.from_json(json.dumps(got), "sync.plan: auto")
         self._cache.clear()
-        carried = dropped = moved = 0
-        for g in self.plan.gradients:  # residuals follow the plan's partitions
-            before = self._seen.get(g.name)
-            if before is None:
-                continue
-            after = Decision(g.compress, g.partitions, g.strategy)
-            c, d = engine.regroup_state(g.name, g.numel, self._main_codec, before[1], after)
-            carried, dropped = carried + c, dropped + d
-            moved += (c, d) != (0, 0)
-        if self.rank == 0 and moved:
-            logger.info("SeCoPa: %d gradient(s) change partitions or path; their "
-                        "error-feedback residuals were carried over (%d elements on rank 0) "
-                        "and %d state entries that cannot follow (aggregator residuals, ring "
-                        "chunks, now uncompressed) dropped", moved, carried, dropped)
 
     def _plan_on_rank0(self, names: List[str], steps: List[int], vec: np.ndarray,
                        events: List[Dict[str, Any]]) -> str:
@@ -368,7 +377,7 @@ class PlanFollower:
             raise SeCoPaError(f"no gradient of codec {self.cfg.compression.algorithm!r} was "
                               f"submitted in steps {steps[0]}-{steps[-1]}")
         mid = median_step(measured, 0)
-        shapes = {n: self._seen[n][0] for n in names}
+        shapes = {n: self._seen[n] for n in names}
         arrivals = [(n, int(np.prod(shapes[n], dtype=np.int64)), float(t))
                     for n, t in zip(names, vec[mid, :-1]) if t >= 0]
         assert self.profile is not None

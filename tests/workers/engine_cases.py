@@ -449,45 +449,121 @@ def plan_auto_observes_then_plans():
 @case
 def plan_auto_regroups_residuals():
     """A run-time plan that cuts a gradient into 3 PS partitions where the fixed policy
-    had 1: its residual follows (split, not lost) and the next steps run bit-identical."""
+    had 1: at its next job its residual is re-split (the log counts the elements carried;
+    the values are checked in test_engine_local) and the steps run bit-identical."""
     hp.shutdown()
-    from hipress.engine.planning import Decision
     from hipress.memory import ResidualMemory
+    from hipress.secopa import runtime
+
+    real = _forced_plan(3)  # obs.fc in 3 PS partitions, obs.conv as the fixed policy had it
+    try:
+        hp.init({"compression": {"algorithm": "onebit"},
+                 "sync": {"plan": "auto", "plan_observe_steps": 1},
+                 "logging": {"level": "INFO"}})
+        from hipress.api import _engine
+
+        eng = _engine()
+        rng = np.random.default_rng(hp.rank())
+        shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3)}
+        for step in range(4):
+            hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n,
+                                        codec="auto") for n, s in shapes.items()}
+            for name, h in hs.items():
+                same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
+            mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
+            fc = sorted(k for k in mem.keys() if k.startswith("obs.fc#p") and "@" not in k)
+            # the fixed policy's one partition (2 MiB < 4 MiB) in steps 0-1, then the plan's
+            assert fc == (["obs.fc#p0"] if step < 2 else
+                          ["obs.fc#p0", "obs.fc#p1", "obs.fc#p2"]), (step, fc)
+            hp.step()
+        assert hp.stats()["obs.fc"]["codec"] == "onebit"
+    finally:
+        runtime.plan = real
+
+
+def _forced_plan(parts):
+    """Patch SeCoPa's planner: every gradient on PS, obs.fc in ``parts`` partitions."""
     from hipress.secopa import runtime
 
     real = runtime.plan
 
-    def three_parts(*a, **kw):  # the planner's answer, forced: obs.fc in 3 PS partitions,
-        p = real(*a, **kw)      # obs.conv as the fixed policy had it
+    def forced(*a, **kw):
+        p = real(*a, **kw)
         for g in p.gradients:
-            g.compress, g.partitions, g.strategy = True, 3 if g.name == "obs.fc" else 1, "ps"
+            g.compress, g.partitions, g.strategy = True, parts if g.name == "obs.fc" else 1, "ps"
         return p
 
-    runtime.plan = three_parts
-    hp.init({"compression": {"algorithm": "onebit"},
-             "sync": {"plan": "auto", "plan_observe_steps": 1},
-             "logging": {"level": "INFO"}})
-    from hipress.api import _engine
+    runtime.plan = forced
+    return real
 
-    eng = _engine()
-    rng = np.random.default_rng(hp.rank())
+
+@case
+def plan_auto_resume_on_rank0():
+    """A checkpoint saved under a run-time plan (obs.fc in 3 partitions), loaded by rank 0
+    only into a new job (its step count then differs from rank 1's): the residuals are
+    re-split to the fixed policy's partitions, every rank plans at the same step again,
+    and the values stay bit-identical."""
+    from hipress.secopa import runtime
+
     shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3)}
-    for step in range(4):
-        hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n, codec="auto")
-              for n, s in shapes.items()}
-        for name, h in hs.items():
-            same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
-        if step == 1:  # the fixed policy's one partition (2 MiB < 4 MiB), about to change
-            mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
-            assert eng._plan._seen["obs.fc"][1] == Decision(True, 1, "auto")
-            before = mem.get("obs.fc#p0").copy()
-            assert "obs.fc#p1" not in mem
-        hp.step()
-        if step == 1:  # planned: the residual is now three partitions of the same values
-            parts = [mem.get(f"obs.fc#p{i}") for i in range(3)]
-            assert all(p is not None for p in parts) and "obs.fc#p3" not in mem
-            np.testing.assert_array_equal(np.concatenate(parts), before)
-    assert hp.stats()["obs.fc"]["codec"] == "onebit"
+    rng = np.random.default_rng(hp.rank())
+
+    def train(steps, tag):
+        for step in range(steps):
+            hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n,
+                                        codec="auto") for n, s in shapes.items()}
+            for name, h in hs.items():
+                same_everywhere(hp.synchronize(h).tobytes(), f"{tag}.{name}.{step}")
+            hp.step()
+
+    cfg = {"compression": {"algorithm": "onebit"},
+           "sync": {"plan": "auto", "plan_observe_steps": 1}, "logging": {"level": "WARNING"}}
+    real = _forced_plan(3)
+    try:
+        hp.shutdown()
+        hp.init(cfg)
+        train(4, "first")
+        state = hp.state_dict()
+        mem = state["memories"]
+        assert any("obs.fc#p2" in m for m in mem.values()), list(mem)
+        hp.shutdown()
+        runtime.plan = real
+        _forced_plan(2)
+        hp.init(cfg)
+        if hp.rank() == 0:
+            hp.load_state_dict(state)  # rank 0 only: its step count is now 4, rank 1's 0
+        train(4, "resumed")
+        from hipress.api import _engine
+
+        p = _engine()._plan.plan
+        assert p is not None and p.entry("obs.fc").partitions == 2, p
+    finally:
+        runtime.plan = real
+
+
+@case
+def plan_auto_join_early():
+    """Rank 1 runs out of data (join) during the observed steps: rank 0's step raises a
+    ConfigError naming the join and the fix, then both ranks end cleanly."""
+    from hipress.errors import ConfigError
+
+    hp.shutdown()
+    hp.init({"compression": {"algorithm": "onebit"},
+             "sync": {"plan": "auto", "plan_observe_steps": 2}, "logging": {"level": "WARNING"}})
+    rng = np.random.default_rng(hp.rank())
+    steps = 4 if hp.rank() == 0 else 2
+    try:
+        for _ in range(steps):
+            hp.synchronize(hp.allreduce_async(
+                rng.standard_normal((256, 256)).astype(np.float32), "obs.w", codec="auto"))
+            hp.step()
+        assert hp.rank() == 1, "rank 0 should have failed to plan"
+    except ConfigError as exc:
+        assert hp.rank() == 0, exc
+        msg = str(exc)
+        assert "observed steps 1-2" in msg and "join()" in msg and "[1]" in msg, msg
+        assert "plan_observe_steps" in msg, msg
+    assert hp.join() in (0, 1)
 
 
 @case
