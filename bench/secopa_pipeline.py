@@ -341,13 +341,13 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
                                "runs": len(runs), "step_s": None,
                                "step_s_runs": [j["step_s"] for j in runs]}
         if policy == "auto":  # each job's own plan (rank 0 saved it)
+            ok = [j for j in ok if j["plan_path"].exists()]
             for j in ok:
-                j["choices"] = Plan.load(j["plan_path"]).decisions() if (
-                    j["plan_path"].exists()) else None
-            ok = [j for j in ok if j["choices"] is not None]
+                j["plan"] = Plan.load(j["plan_path"])
+                j["choices"] = j["plan"].decisions()
             if ok:
                 choices["auto"] = ok[0]["choices"]
-                row["auto_plans"] = [{"basis": Plan.load(j["plan_path"]).basis,
+                row["auto_plans"] = [{"basis": j["plan"].basis,
                                       "compressed": sum(c.compress for c in j["choices"].values())}
                                      for j in ok]
         if ok:

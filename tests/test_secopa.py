@@ -1175,6 +1175,7 @@ def _observing_follower(observe_steps):
     f = PlanFollower(cfg, types.SimpleNamespace(rank=0, size=2, mpi=None))
     prof = make_profile(2)
     f.profile, f._main_codec, f._ready = prof, get_codec("onebit"), True
+    f._main_key = codec_key(f._main_codec.name, f._main_codec.params())
     f._model = CostModel(prof, 2)
     return f
 

@@ -48,9 +48,10 @@ class GradientPlanner(Protocol):
     def step_done(self, engine: Any) -> None:
         """Called by :meth:`Engine.step` on every rank after each training step.
 
-        ``engine.step_count`` is the number of steps finished. A planner may run the
-        engine's collectives here (every rank calls it at the same step) and change its
-        decisions from the next step on.
+        ``engine.step_count`` is this rank's number of steps finished (a checkpoint
+        loaded on some ranks only makes it differ between ranks; the calls themselves
+        come alike on every rank). A planner may run the engine's collectives here and
+        change its decisions from the next step on.
         """
 
 

@@ -58,7 +58,7 @@ import numpy as np
 
 from hipress.codecs import Codec, get_codec
 from hipress.engine.planning import Decision, FixedPolicy
-from hipress.errors import CollectiveArgumentError
+from hipress.errors import CollectiveArgumentError, ConfigError
 from hipress.secopa.cost import CostModel
 from hipress.secopa.errors import PlanError, ProfileError, SeCoPaError
 from hipress.secopa.pipeline import median_step, step_vectors
@@ -116,6 +116,8 @@ class PlanFollower:
         #: e.g. after a checkpoint loaded on rank 0 only)
         self._steps = 0
         self._main_codec: Optional[Codec] = None
+        #: its codec_key (compared on every decision, so computed once)
+        self._main_key: Optional[str] = None
         self._events_from = 0
         self._first_step = self.observe_from
         self.profile: Optional[Profile] = None
@@ -171,7 +173,8 @@ class PlanFollower:
                                         self.cfg.sync.fusion_threshold_bytes)
                 comp = self.cfg.compression
                 if comp.algorithm != "none":
-                    self._main_codec = self._lookup(comp.algorithm, dict(comp.params))
+                    main = self._main_codec = self._lookup(comp.algorithm, dict(comp.params))
+                    self._main_key = codec_key(main.name, main.params())
                 if self._main_codec is None or self.size == 1:
                     self.observed = True
                 if self.rank == 0:
@@ -265,8 +268,7 @@ class PlanFollower:
         if self.mode == "auto" and self._model is not None:
             shape = tuple(int(d) for d in getattr(array, "shape", (numel,)))
             ckey = codec_key(codec.name, codec.params())
-            main = self._main_codec
-            is_main = main is not None and ckey == codec_key(main.name, main.params())
+            is_main = ckey == self._main_key
             if not self.observed:  # the fixed policy while the steps are observed
                 if is_main:
                     self._seen[name] = shape
@@ -337,8 +339,6 @@ class PlanFollower:
         try:
             both = engine.submit(mine.ravel(), "__secopa.arrivals", op="max").wait()
         except CollectiveArgumentError as exc:
-            from hipress.errors import ConfigError
-
             raise ConfigError(
                 f"sync.plan: auto plans with every rank at the end of its observed steps "
                 f"{steps[0]}-{steps[-1]}, but {exc}. Give every rank data for the first "
