@@ -19,11 +19,16 @@ Two measurements, each a median over ``--iters`` after ``--warmup``, slowest ran
 - ``--part latency``: one ``hipress.allreduce`` of 4 float32 values (a negotiation round
   plus a transfer: the engine's fixed cost per round trip) against ``MPI.Allreduce`` of
   the same array; median over ``--iters`` x 50 calls. Not in the default ``--part``.
+- ``--part names``: ``--names`` allreduces of 64 float32 values each per step,
+  ``allreduce_async`` then ``synchronize`` (the engine's cost per gradient name, with
+  almost no bytes); ms per step and us per name, median over ``--iters`` x 4 steps. Not
+  in the default ``--part``.
 
 Usage (launches mpirun itself; ``--np 1`` runs in this process)::
 
     python bench/step_overhead.py --np 1,4 --part step,core
     python bench/step_overhead.py --np 2 --part core --codecs none,onebit
+    python bench/step_overhead.py --np 2 --part latency,names
 
 Every row records the 1-minute load average at its start: compare rows of one run only.
 """
@@ -56,7 +61,9 @@ def parse(argv: Any = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--np", default="1,4", help="world sizes, comma separated")
-    p.add_argument("--part", default="step,core", help="step, core and/or latency")
+    p.add_argument("--part", default="step,core", help="step, core, latency and/or names")
+    p.add_argument("--names", default="1,161,1000",
+                   help="--part names: allreduces per step, comma separated")
     p.add_argument("--codecs", default=CODECS)
     p.add_argument("--model", default="resnet50", help="model (step) and gradient set (core)")
     p.add_argument("--batch-size", type=int, default=8)
@@ -188,6 +195,25 @@ def latency_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
     for codec, fn in (("mpi allreduce", mpi_once), ("hipress allreduce", hp_once)):
         ms = _slowest(_median_ms(fn, calls, args.warmup * 10, lambda: None))
         rows.append({"part": "latency", "codec": codec, "ms": ms})
+    return rows
+
+
+def names_rows(args: argparse.Namespace) -> List[Dict[str, Any]]:
+    """Time N allreduces of 64 float32 values per step (the engine's cost per name)."""
+    import hipress
+
+    rows = []
+    for n in (int(v) for v in _csv(args.names)):
+        grads = [(f"names{n}/{i}", np.ones(64, np.float32)) for i in range(n)]
+
+        def step(grads: Any = grads) -> None:
+            hs = [hipress.allreduce_async(g, name=name, inplace=True) for name, g in grads]
+            for h in hs:
+                hipress.synchronize(h)
+
+        ms = _slowest(_median_ms(step, args.iters * 4, args.warmup, _barrier))
+        rows.append({"part": "names", "codec": f"{n} x 64 floats ({1000 * ms / n:.0f} us/name)",
+                     "ms": ms})
     return rows
 
 
@@ -350,6 +376,8 @@ def worker(args: argparse.Namespace) -> None:
         rows += core_rows(args)
     if "latency" in parts and args.framework == "torch":
         rows += latency_rows(args)
+    if "names" in parts and args.framework == "torch":
+        rows += names_rows(args)
     if hipress.rank() == 0:
         print("ROWS " + json.dumps(rows), flush=True)
     hipress.shutdown()

@@ -286,3 +286,128 @@ def test_fit_state_re_splits_residuals_when_the_partitions_change():
     eng.load_state_dict({"step": 7})
     eng._fit_state(mem, "u", 10, "ps", 2)
     assert stored("u#") == []
+
+
+# ------------------------------------------------------------------ merge kernels
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("divisor", [1, 2, 3, 7])
+def test_add_divide_matches_numpys_two_passes_bit_for_bit(dtype, divisor):
+    from hipress.engine._kernels import add_divide
+
+    rng = np.random.default_rng(divisor)
+    a = (rng.standard_normal(10007) * 1e3).astype(dtype)
+    b = rng.standard_normal(10007).astype(dtype)
+    a[:6] = [np.inf, -np.inf, np.nan, 0.0, -0.0, np.finfo(dtype).max]
+    b[:6] = [1.0, 1.0, 1.0, -0.0, -0.0, np.finfo(dtype).max]
+    with np.errstate(over="ignore"):  # max + max overflows to inf, on purpose
+        want = np.add(a, b)
+    if divisor != 1:
+        want = np.divide(want, want.dtype.type(divisor))
+    out = np.empty_like(a)
+    add_divide(a, b, out, divisor)
+    bits = f"u{np.dtype(dtype).itemsize}"
+    assert np.array_equal(out.view(bits), want.view(bits))
+    assert np.isposinf(out[5]) and np.isnan(out[2]) and np.signbit(out[4])
+    # in place, as the merge of three or more ranks runs it (a is the output)
+    add_divide(a, b, a, divisor)
+    assert np.array_equal(a.view(bits), want.view(bits))
+
+
+def test_sum_into_merges_in_rank_order_and_averages_like_numpy():
+    from hipress.engine.tasks import _sum_into
+    from hipress.timeline import Timeline
+
+    class Env:
+        timeline = Timeline(None)
+
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(4099).astype(np.float32) for _ in range(4)]
+    for n in (1, 2, 3, 4):
+        for divisor in (1, n):
+            want = parts[0].copy()
+            for p in parts[1:n]:
+                want += p
+            if divisor != 1:
+                want /= np.float32(divisor)
+            out = np.empty(4099, np.float32)
+            _sum_into(Env(), "g", "p0", parts[:n], out, divisor)
+            assert np.array_equal(out.view(np.uint32), want.view(np.uint32)), (n, divisor)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int8, np.uint8, np.int32,
+                                   np.bool_])
+@pytest.mark.parametrize("op", ["sum", "product", "max"])
+def test_combine_chunks_accumulates_wide_and_leaves_its_inputs_alone(dtype, op):
+    from hipress.engine.tasks import combine_chunks
+
+    rng = np.random.default_rng(1)
+    parts = [(rng.standard_normal(257) * 40).astype(dtype) for _ in range(3)]
+    before = [p.copy() for p in parts]
+    wide = {np.float16: np.float32, np.float32: np.float32, np.uint8: np.uint64}.get(
+        dtype, np.int64)
+    if op == "max":
+        want = np.maximum(np.maximum(parts[0], parts[1]), parts[2])
+    else:
+        acc = parts[0].astype(wide)
+        for p in parts[1:]:
+            acc = acc * p if op == "product" else acc + p
+        with np.errstate(over="ignore"):
+            want = acc.astype(dtype)
+    with np.errstate(over="ignore"):  # int8 products wrap, as integer arithmetic does
+        got = combine_chunks([p.view(np.uint8) for p in parts], np.dtype(dtype), op)
+    assert got.dtype == np.dtype(dtype)
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    for p, b in zip(parts, before):
+        assert np.array_equal(p.view(np.uint8), b.view(np.uint8))
+    one = combine_chunks([parts[0].view(np.uint8)], np.dtype(dtype), op)
+    assert np.array_equal(one.view(np.uint8), parts[0].view(np.uint8))
+    assert not np.shares_memory(one, parts[0])
+
+
+# ------------------------------------------------------------------ handles
+def test_handle_completes_with_or_without_a_waiter(fast_switching):
+    from hipress.engine.engine import Handle
+    from hipress.errors import SyncError
+
+    done_first = Handle("a")
+    done_first._finish(result=41)
+    assert done_first.done() and done_first.wait() == 41
+    assert done_first._event is None  # nothing ever blocked on it
+
+    h = Handle("b")
+    with pytest.raises(SyncError, match="timed out after 0.05 s waiting for 'b'"):
+        h.wait(0.05)
+    failed = Handle("c")
+    failed._finish(error=ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        failed.wait()
+
+    # a completion racing a waiter that is creating its event is never lost
+    for i in range(300):
+        h = Handle(f"r{i}")
+        got = []
+        t = threading.Thread(target=lambda h=h, got=got: got.append(h.wait(5.0)))
+        t.start()
+        h._finish(result=i)
+        t.join(5.0)
+        assert got == [i] and not t.is_alive()
+
+
+def test_submission_mismatch_passes_identical_entries_and_names_every_difference():
+    from hipress.engine.engine import _submission_mismatch
+
+    # numel, dtype, codec, op, kind, root, strategy, partitions, shape, finite, extra, filler
+    entry = [1000, 1, "onebit", "average", "allreduce", -1, "ps", 0, [10, 100], 1, None, 0]
+    assert _submission_mismatch("w", [list(entry) for _ in range(3)]) is None
+    refused = entry[:10] + [{"error": "bad dtype"}, 0]
+    msg = _submission_mismatch("w", [list(refused) for _ in range(2)])
+    assert msg == "allreduce 'w' was refused; rank 0: bad dtype; rank 1: bad dtype"
+    other = list(entry)
+    other[0], other[8] = 999, [9, 111]
+    msg = _submission_mismatch("w", [entry, list(entry), other])
+    assert msg.startswith("ranks disagree about allreduce 'w'")
+    assert "2: {'numel': 999" in msg and "'shape': [9, 111]" in msg and "1: {" not in msg
+    # the finiteness flag may differ (one rank's gradient overflowed): not a mismatch
+    nonfinite = list(entry)
+    nonfinite[9] = 0
+    assert _submission_mismatch("w", [entry, nonfinite]) is None

@@ -32,6 +32,7 @@ import numpy as np
 
 from hipress.backend import GRADIENT_DTYPES, array_module, compute_dtype, store_scaled, to_host
 from hipress.codecs.base import Codec, Payload
+from hipress.engine._kernels import add_divide
 from hipress.engine.scheduler import Compute, Recv, Send
 from hipress.errors import PayloadError
 from hipress.memory import Memory
@@ -607,13 +608,14 @@ def combine_chunks(parts: Sequence[np.ndarray], dtype: np.dtype, op: str = "sum"
         acc_dt = compute_dtype(dt)
     else:
         acc_dt = np.dtype(np.uint64) if dt.kind == "u" else np.dtype(np.int64)
-    acc = parts[0].view(dt).astype(acc_dt)
-    for p in parts[1:]:
-        if op == "product":
-            acc *= p.view(dt)
-        else:
-            acc += p.view(dt)
-    return acc.astype(dt)
+    if len(parts) == 1:
+        return parts[0].view(dt).copy()
+    # the first operation allocates the accumulator (no separate copy of parts[0])
+    ufunc = np.multiply if op == "product" else np.add
+    acc = ufunc(parts[0].view(dt), parts[1].view(dt), dtype=acc_dt)
+    for p in parts[2:]:
+        ufunc(acc, p.view(dt), out=acc, casting="unsafe")
+    return acc.astype(dt, copy=False)
 
 
 def allreduce_max(env: TaskEnv, arr: np.ndarray, tag: int) -> Generator:
@@ -764,16 +766,24 @@ def direct_task(env: TaskEnv, job: Job, lo: int, hi: int, part: int, tag: int) -
 
 def _sum_into(env: TaskEnv, name: str, label: str, parts: Sequence[np.ndarray],
               out: np.ndarray, divisor: int) -> None:
-    """Write (parts[0] + parts[1] + ...) / divisor into out, summed in list order."""
+    """Write (parts[0] + parts[1] + ...) / divisor into out, summed in list order.
+
+    The last addition and the division run as one pass (:func:`add_divide`), with the
+    same rounding as separate NumPy passes.
+    """
     with env.timeline.span("merge", gradient=name, partition=label, payloads=len(parts)):
         if len(parts) == 1:
             out[...] = parts[0]
-        else:
+            if divisor != 1:
+                np.divide(out, out.dtype.type(divisor), out=out)
+            return
+        first = parts[0]
+        if len(parts) > 2:
             np.add(parts[0], parts[1], out=out)
-            for p in parts[2:]:
+            for p in parts[2:-1]:
                 out += p
-        if divisor != 1:
-            np.divide(out, out.dtype.type(divisor), out=out)
+            first = out
+        add_divide(first, parts[-1], out, divisor)
 
 
 def fused_chain_task(env: TaskEnv, buckets: Sequence[Sequence[Job]],
