@@ -109,6 +109,10 @@ def test_secopa_plan_auto_carries_residuals_to_the_plans_partitions(np_):
             and "re-split (524288 elements)" in said[0]), said[0]
 
 
+def test_secopa_plan_gather_entry_keeps_the_engines_partitions():
+    run_cases(2, ["plan_gather_keeps_the_engines_partitions"])
+
+
 def test_secopa_plan_auto_resumes_from_a_checkpoint_loaded_on_one_rank():
     run_cases(2, ["plan_auto_resume_on_rank0"])
 

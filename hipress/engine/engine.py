@@ -1532,7 +1532,12 @@ class Engine:
                 self._launch(T.summable_task(self.env, job, tag), sub.name, tag)
             else:
                 n = job.flat.size
-                parts = min(sub.partitions or self._partitions(n * job.flat.dtype.itemsize), n)
+                # a planner's partitions are CaSync-PS / Ring's (Decision); the gather path
+                # keeps the engine's own: a SeCoPa plan prices gather as one unit, and cut
+                # into one partition a 392 MiB DGC gradient lost all pipelining (VGG-19
+                # stepped 1.39x slower under a plan identical to the fixed policy)
+                planned = sub.partitions if path in ("ps", "ring") else None
+                parts = min(planned or self._partitions(n * job.flat.dtype.itemsize), n)
                 self._fit_state(job.memory, sub.name, n, path, parts)
                 if path == "ps" and parts == 1 and job.flat.nbytes <= BULK_MAX_BYTES:
                     bulk.append((job, zlib.crc32(sub.name.encode()) % self.size))

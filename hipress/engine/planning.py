@@ -21,7 +21,8 @@ class Decision(NamedTuple):
 
     Attributes:
         compress: False sends the gradient uncompressed (fused).
-        partitions: K >= 1, the partitions of CaSync-PS and CaSync-Ring.
+        partitions: K >= 1, the partitions of CaSync-PS and CaSync-Ring (other paths
+            ignore it: gather is cut by ``sync.partition_bytes`` as without a plan).
         strategy: the path to take (ps, ring, allreduce, gather), or the strategy asked
             for, unchanged, when not compressing or following the fixed policy.
     """

@@ -481,6 +481,51 @@ def plan_auto_regroups_residuals():
         runtime.plan = real
 
 
+@case
+def plan_gather_keeps_the_engines_partitions():
+    """A plan's gather entry (priced as one unit, partitions 1) runs in the engine's own
+    partitions, as the fixed policy does: a 2 MiB DGC gradient with 1 MiB partitions keeps
+    its two partitions (and their residuals) after the plan, and the steps stay identical."""
+    hp.shutdown()
+    from hipress.secopa import runtime
+
+    real = runtime.plan
+
+    def forced(*a, **kw):
+        p = real(*a, **kw)
+        for g in p.gradients:
+            g.compress, g.partitions, g.strategy = True, 1, "gather"
+        return p
+
+    runtime.plan = forced
+    try:
+        hp.init({"compression": {"algorithm": "dgc", "params": {"ratio": 0.01}},
+                 "sync": {"plan": "auto", "plan_observe_steps": 1,
+                          "partition_bytes": 1 << 20},
+                 "logging": {"level": "WARNING"}})
+        from hipress.api import _engine
+
+        eng = _engine()
+        rng = np.random.default_rng(hp.rank())
+        for step in range(4):
+            h = hp.allreduce_async(rng.standard_normal((512, 1024)).astype(np.float32),
+                                   "obs.fc", codec="auto")
+            same_everywhere(hp.synchronize(h).tobytes(), f"obs.fc.{step}")
+            keys = sorted(k for m in eng._memories.values() for k in m.keys()
+                          if k.startswith("obs.fc"))
+            # the plan (gather, 1 partition) applies from step 2 on: the same two
+            # partitions, each with DGC's momentum (u) and accumulation (v)
+            assert keys == ["obs.fc#p0/u", "obs.fc#p0/v", "obs.fc#p1/u", "obs.fc#p1/v"], (
+                step, keys)
+            hp.step()
+        plan = eng._plan.plan
+        assert plan is not None and plan.entry("obs.fc").partitions == 1, plan
+        assert plan.entry("obs.fc").strategy == "gather"
+        assert hp.stats()["obs.fc"]["strategy"] == "gather", hp.stats()
+    finally:
+        runtime.plan = real
+
+
 def _forced_plan(parts):
     """Patch SeCoPa's planner: every gradient on PS, obs.fc in ``parts`` partitions."""
     from hipress.secopa import runtime
