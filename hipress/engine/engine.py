@@ -89,9 +89,9 @@ BULK_MAX_BYTES = 256 << 10
 #: MPI polling back-off while transfers are in flight (each wake-up costs CPU that the
 #: training step needs; compute steps wake the thread at once, they are not polled).
 #: While a thread of this rank waits for a result (:meth:`Handle.wait`) the step is
-#: blocked on the engine: for _SPIN_S after progress (or a round it started) it polls
-#: back to back, yielding the CPU in between (a peer on this host answers within tens of
-#: us), then every _POLL_MIN_S.
+#: blocked on the engine: for _SPIN_S after progress (a finished primitive, a processed
+#: round) it polls back to back, yielding the CPU in between (a peer on this host answers
+#: within tens of us), then every _POLL_MIN_S.
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.004
 _SPIN_S = 0.0003
@@ -1152,7 +1152,7 @@ class Engine:
             # each protocol step of a message (a rendezvous, a negotiation round's
             # stages, the peer's reply) would wait out a sleep on its critical path. A
             # 4-float allreduce of 2 ranks on one host took 3.9 ms with 0.5 ms sleeps
-            # (each about 0.65 ms) and takes 0.4 ms with the spin.
+            # (each about 0.65 ms) and takes 0.4-0.6 ms with the spin.
             if self._sched.busy or phase:
                 idle_polls += 1
                 if self._waiting and now - last_progress < _SPIN_S:
