@@ -489,15 +489,7 @@ def plan_gather_keeps_the_engines_partitions():
     hp.shutdown()
     from hipress.secopa import runtime
 
-    real = runtime.plan
-
-    def forced(*a, **kw):
-        p = real(*a, **kw)
-        for g in p.gradients:
-            g.compress, g.partitions, g.strategy = True, 1, "gather"
-        return p
-
-    runtime.plan = forced
+    real = _forced_plan(1, "gather")
     try:
         hp.init({"compression": {"algorithm": "dgc", "params": {"ratio": 0.01}},
                  "sync": {"plan": "auto", "plan_observe_steps": 1,
@@ -526,8 +518,9 @@ def plan_gather_keeps_the_engines_partitions():
         runtime.plan = real
 
 
-def _forced_plan(parts):
-    """Patch SeCoPa's planner: every gradient on PS, obs.fc in ``parts`` partitions."""
+def _forced_plan(parts, strategy="ps"):
+    """Patch SeCoPa's planner: every gradient compressed on ``strategy``, obs.fc in
+    ``parts`` partitions, the others in 1. Returns the real planner, to restore."""
     from hipress.secopa import runtime
 
     real = runtime.plan
@@ -535,7 +528,8 @@ def _forced_plan(parts):
     def forced(*a, **kw):
         p = real(*a, **kw)
         for g in p.gradients:
-            g.compress, g.partitions, g.strategy = True, parts if g.name == "obs.fc" else 1, "ps"
+            g.compress, g.strategy = True, strategy
+            g.partitions = parts if g.name == "obs.fc" else 1
         return p
 
     runtime.plan = forced
