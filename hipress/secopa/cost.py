@@ -39,18 +39,23 @@ Paths (the engine picks one per gradient, :meth:`Engine._path`):
   rounds of up to N concurrent aggregators; a round with r aggregators costs
   ``G(P) + (r-1)/(N-1) * max(0, A(P) - G(P))`` to gather (one incast at r = 1, an
   all-to-all at r = N; interpolated between) and likewise with ``B`` to broadcast.
+  With K < N the average rank aggregates K/N partitions, not one: the difference,
+  ``(ceil(K/N) - K/N) * agg``, is :attr:`Cost.remote_s` (other ranks' engine work that
+  delays this gradient, for the pipeline simulation).
 - **ring** (CaSync-Ring): each partition is cut into N chunks of c = ceil(m/N); per
   partition every rank does ``encs(c)``, then N-1 hops of ``R(P(c)) + s`` +
   ``mrg(c) + s`` + ``encs(c)``, then ``A(P(c)) + s`` and N decodes
   ``dec(c) + wr(c) + s``.
-- **gather** (variable-size or non-mergeable codecs):
-  ``encs(n) + A(P(n)) + s + N*mrg(n) + s + wr(n)``.
+- **gather** (variable-size or non-mergeable codecs): the engine cuts the gradient into
+  its own ``K = ceil(4n / partition_bytes)`` partitions (a plan's K is for PS and Ring
+  only); per partition of m elements ``encs(m) + s + N*mrg(m) + s + wr(m)`` compute and
+  one ``A(P(m))``, pipelined like PS and Ring (below).
 - **allreduce** (summable, non-mergeable codecs, or summable codecs under strategy auto):
   the codec's ``reduce_stages`` compute (profiled as ``stages``) plus one ``AR`` per stage
   over ``P(shape)`` bytes split evenly across the stages (3 steps each: two exchanges and a
   sum), plus ``fb * ef(n) + wr(n)``.
 
-Pipelining (PS and Ring, K partitions in flight at once): each rank has one compute
+Pipelining (PS, Ring and gather, K partitions in flight at once): each rank has one compute
 resource (the engine's compute pool) and one network resource. With ``C_tot`` the compute
 time of the busiest rank over all partitions, ``N_tot`` the network time of all of them,
 and ``C_1``, ``N_1`` the compute and network time on one partition's critical path::
@@ -77,6 +82,9 @@ from hipress.codecs import Codec
 from hipress.secopa.errors import SeCoPaError
 from hipress.secopa.profile import CodecProfile, Fit, Profile
 
+#: the engine's default ``sync.partition_bytes`` (the gather path's partition size)
+DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+
 #: engine paths a compressed gradient can take
 COMPRESSED_PATHS = ("ps", "ring", "allreduce", "gather")
 #: the engine's default fused-buffer size (sync.fusion_threshold_bytes)
@@ -94,7 +102,15 @@ class Cost:
         compute_s: compute on the busiest rank (``C_tot``), seconds.
         network_s: time on the wire (``N_tot``), seconds.
         path: engine path: fused, ps, ring, allreduce or gather.
-        partitions: partitions (1 for fused, allreduce, gather).
+        partitions: partitions K (PS and Ring as asked; gather the engine's own; else 1).
+        remote_s: of ``compute_s``, the part an average rank does not run itself, seconds:
+            on PS with K < N partitions the busiest rank aggregates one partition while
+            the average one aggregates K/N of one, ``(ceil(K/N) - K/N) * agg``. It is on
+            the partitions' critical path (some rank's engine runs it) but does not load
+            this rank's engine (0 on the other paths).
+        link_s: of ``network_s``, the time the messages hold the link, seconds: each
+            message's bytes times its pattern's per-byte slope (the rest is fixed latency,
+            which messages of other gradients overlap). None: all of ``network_s``.
     """
 
     total_s: float
@@ -102,6 +118,8 @@ class Cost:
     network_s: float
     path: str
     partitions: int
+    remote_s: float = 0.0
+    link_s: Optional[float] = None
 
 
 def engine_paths(codec: Optional[Codec], strategy: str) -> Tuple[str, ...]:
@@ -126,6 +144,21 @@ def engine_paths(codec: Optional[Codec], strategy: str) -> Tuple[str, ...]:
     if strategy == "allreduce":
         return ("allreduce",) if codec.summable else ("ps",)
     return ("ps", "ring", "allreduce") if codec.summable else ("ps", "ring")
+
+
+def _occupancy(fit: Fit) -> Callable[[float], float]:
+    """Return a message pattern's link occupancy: ``min(t(x), slope * x)``.
+
+    ``slope`` is the fit's per-byte cost (the steeper of its two lines); what the fit adds
+    on top, its intercept or floor, is latency: messages of other gradients overlap it.
+    """
+    t = _line(fit)
+    slope = max(float(fit.b), float(fit.b2 or 0.0))
+
+    def occ(x: float) -> float:
+        return min(t(x), slope * x)
+
+    return occ
 
 
 def _line(fit: Optional[Fit], k: float = 1.0) -> Optional[Callable[[float], float]]:
@@ -157,6 +190,8 @@ class CostModel:
         world_size: N (the profile's message costs are scaled to it, see
             :meth:`Profile.comm_at`).
         fusion_bytes: the engine's fused-buffer size (``sync.fusion_threshold_bytes``).
+        partition_bytes: the engine's ``sync.partition_bytes``: the gather path's
+            partitions are ``ceil(bytes / partition_bytes)``, whatever a plan says.
 
     Compute costs (codec fits, ``ef``, ``write``, ``step_overhead_s``) are the profile's
     CPU costs times :attr:`contention`, ``1 / profile.cpu_share_backward``: what the
@@ -169,7 +204,8 @@ class CostModel:
     """
 
     def __init__(self, profile: Profile, world_size: int,
-                 fusion_bytes: int = DEFAULT_FUSION_BYTES) -> None:
+                 fusion_bytes: int = DEFAULT_FUSION_BYTES,
+                 partition_bytes: int = DEFAULT_PARTITION_BYTES) -> None:
         if int(world_size) < 1:
             raise SeCoPaError(f"world size must be >= 1, got {world_size}")
         self.profile = profile
@@ -179,6 +215,7 @@ class CostModel:
         self.contention = 1.0 / float(profile.cpu_share_backward)
         self.s = float(profile.step_overhead_s) * self.contention
         self.fusion_bytes = max(int(fusion_bytes), 1)
+        self.partition_bytes = max(int(partition_bytes), 1)
         self._cp: Dict[int, CodecProfile] = {}
         self._fns: Dict[int, Tuple[Any, ...]] = {}
         self._payloads: Dict[Tuple[int, int], int] = {}
@@ -187,6 +224,10 @@ class CostModel:
         c = self.comm
         self._G, self._B, self._A = _line(c.ps_gather), _line(c.ps_bcast), _line(c.allgather)
         self._R, self._AR = _line(c.ring_step), _line(c.allreduce)
+        # the same patterns' link occupancy: bytes times the per-byte slope
+        self._Go, self._Bo, self._Ao = _occupancy(c.ps_gather), _occupancy(c.ps_bcast), \
+            _occupancy(c.allgather)
+        self._Ro, self._ARo = _occupancy(c.ring_step), _occupancy(c.allreduce)
         self._ef = _line(profile.ef, self.contention)
         self._wr = _line(profile.write, self.contention)
 
@@ -227,14 +268,19 @@ class CostModel:
             got = self._shaped[key] = int(codec.payload_nbytes(key[1]))
         return got
 
-    def _phase(self, single: Callable[[float], float], x: float, active: int) -> float:
-        """Cost of one PS phase with ``active`` concurrent aggregators (see module doc)."""
+    def _phase(self, single: Callable[[float], float], x: float, active: int,
+               allgather: Optional[Callable[[float], float]] = None) -> float:
+        """Cost of one PS phase with ``active`` concurrent aggregators (see module doc).
+
+        ``allgather`` is the all-to-all pattern to interpolate towards (default ``A``; its
+        link occupancy for the occupancy of the phase).
+        """
         if self.N == 1 or active <= 0:
             return 0.0
         g = single(x)
         if active == 1:
             return g
-        full = self._A(x)
+        full = (allgather or self._A)(x)
         return g + (active - 1) / (self.N - 1) * max(0.0, full - g)
 
     # ------------------------------------------------------------------ paths
@@ -249,7 +295,7 @@ class CostModel:
         nbytes = float(numel) * itemsize
         ar = self.comm.allreduce
         t = ar.b * nbytes + self.fused_fixed() * nbytes / self.fusion_bytes
-        return Cost(t, 0.0, t, "fused", 1)
+        return Cost(t, 0.0, t, "fused", 1, link_s=ar.b * nbytes)
 
     def compressed(self, codec: Codec, numel: int, path: str, partitions: int = 1,
                    feedback: bool = False, shape: Optional[Tuple[int, ...]] = None) -> Cost:
@@ -259,7 +305,9 @@ class CostModel:
             codec: the codec (its payload sizes and profiled compute are used).
             numel: elements of the gradient (>= 1).
             path: ps, ring, allreduce or gather.
-            partitions: K for ps and ring (clamped to ``numel``); ignored otherwise.
+            partitions: K for ps and ring (clamped to ``numel``); ignored otherwise (gather
+                takes the engine's ``ceil(4 * numel / partition_bytes)``, the returned
+                :attr:`Cost.partitions`).
             feedback: residual error feedback is on (the engine's encode step then also
                 decodes and updates the residual).
             shape: the gradient's shape, for the payload of the allreduce path (default
@@ -303,16 +351,16 @@ class CostModel:
         if path == "ring":
             return self._ring(codec, n, max(1, min(int(partitions), n)), dec_out, mrg, encs)
         if path == "gather":
-            c = encs(n) + s + N * mrg(n) + s + f_wr(ITEMSIZE * n)
-            w = self._A(self.payload(codec, n)) if N > 1 else 0.0
-            return Cost(c + w, c, w, "gather", 1)
+            k = max(1, min(math.ceil(ITEMSIZE * n / self.partition_bytes), n))
+            return self._gather(codec, n, k, mrg, encs)
         if path == "allreduce":
             k = n_stages
             c = (f_stages(ITEMSIZE * n) if f_stages is not None else enc(n) + dec(n)) + 3 * k * s
             c += fb * f_ef(ITEMSIZE * n) + f_wr(ITEMSIZE * n)
             p = self.payload(codec, n) if shape is None else self.payload_shaped(codec, shape)
             w = k * self._AR(p / k) if N > 1 else 0.0
-            return Cost(c + w, c, w, "allreduce", 1)
+            link = k * self._ARo(p / k) if N > 1 else 0.0
+            return Cost(c + w, c, w, "allreduce", 1, link_s=link)
         raise SeCoPaError(f"unknown path {path!r}; expect one of {COMPRESSED_PATHS}")
 
     def _sizes(self, n: int, k: int) -> List[Tuple[int, int]]:
@@ -337,34 +385,55 @@ class CostModel:
         c_1 = encs(big) + s + agg(big) + dec(big) + s
         p = self.payload(codec, big)
         full, rem = divmod(k, N)
-        n_tot = 0.0
+        n_tot = l_tot = 0.0
         if N > 1:
-            g, b = self._G, self._B
+            g, b, go, bo, ao = self._G, self._B, self._Go, self._Bo, self._Ao
             n_tot = full * (self._phase(g, p, N) + self._phase(b, p, N))
+            l_tot = full * (self._phase(go, p, N, ao) + self._phase(bo, p, N, ao))
             if rem:
                 n_tot += self._phase(g, p, rem) + self._phase(b, p, rem)
+                l_tot += self._phase(go, p, rem, ao) + self._phase(bo, p, rem, ao)
             n_1 = g(p) + b(p)
         else:
             n_1 = 0.0
-        return Cost(max(c_tot + n_1, n_tot + c_1), c_tot, n_tot, "ps", k)
+        remote = (math.ceil(k / N) - k / N) * agg(big)
+        return Cost(max(c_tot + n_1, n_tot + c_1), c_tot, n_tot, "ps", k, remote, l_tot)
+
+    def _gather(self, codec: Codec, n: int, k: int, mrg: Any, encs: Any) -> Cost:
+        N, s, f_wr = self.N, self.s, self._wr
+
+        def part(m: int) -> Tuple[float, float, float]:
+            comp = encs(m) + s + N * mrg(m) + s + (f_wr(ITEMSIZE * m) if m else 0.0)
+            if N == 1:
+                return comp, 0.0, 0.0
+            p = self.payload(codec, m)
+            return comp, self._A(p), self._Ao(p)
+
+        return self._pipelined(self._sizes(n, k), part, "gather", k)
+
+    def _pipelined(self, sizes: List[Tuple[int, int]],
+                   part: Callable[[int], Tuple[float, float, float]], path: str, k: int) -> Cost:
+        """Return ``T(K)`` (module doc) of partitions of ``part(m) = (compute, network, link)``."""
+        c_tot = n_tot = l_tot = 0.0
+        for m, cnt in sizes:
+            cm, nm, lm = part(m)
+            c_tot += cnt * cm
+            n_tot += cnt * nm
+            l_tot += cnt * lm
+        c_1, n_1, _ = part(sizes[0][0])
+        return Cost(max(c_tot + n_1, n_tot + c_1), c_tot, n_tot, path, k, link_s=l_tot)
 
     def _ring(self, codec: Codec, n: int, k: int, dec: Any, mrg: Any, encs: Any) -> Cost:
         N, s = self.N, self.s
 
-        def part(m: int) -> Tuple[float, float]:
+        def part(m: int) -> Tuple[float, float, float]:
             c = -(-m // N)
             comp = encs(c) + (N - 1) * (s + mrg(c) + s + encs(c)) + N * (dec(c) + s)
             comp += s if N > 1 else 0.0  # the allgather wait
             if N == 1:
-                return comp, 0.0
+                return comp, 0.0, 0.0
             pc = self.payload(codec, c)
-            return comp, (N - 1) * self._R(pc) + self._A(pc)
+            return (comp, (N - 1) * self._R(pc) + self._A(pc),
+                    (N - 1) * self._Ro(pc) + self._Ao(pc))
 
-        sizes = self._sizes(n, k)
-        c_tot = n_tot = 0.0
-        for m, cnt in sizes:
-            cm, nm = part(m)
-            c_tot += cnt * cm
-            n_tot += cnt * nm
-        c_1, n_1 = part(sizes[0][0])
-        return Cost(max(c_tot + n_1, n_tot + c_1), c_tot, n_tot, "ring", k)
+        return self._pipelined(self._sizes(n, k), part, "ring", k)

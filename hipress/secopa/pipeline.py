@@ -12,10 +12,14 @@ the **exposed** sync time. This module simulates that, event by event:
   backward time);
 - a compressed gradient cut into K partitions is K jobs, each ``compute -> network ->
   compute`` (encode, then the transfers, then merge / decode: the cost model's compute
-  split in half around its network time, per partition);
+  split in half around its network time, per partition). On PS with fewer partitions
+  than ranks, the aggregation the average rank leaves to other ranks
+  (:attr:`~hipress.secopa.cost.Cost.remote_s`) is a wait after the transfers that delays
+  the partition without loading this rank's compute server;
 - every gradient waits one negotiation round after it arrives before any work on it
   starts (``Profile.round_s``: the interval between the engine's rounds, refitted from a
-  job's timeline; 0 in a measured profile);
+  job's timeline; 0 in a measured profile), but no later than the end of the backward
+  pass: the rank then waits for its results, and a waiting rank's rounds go at once;
 - compressed gradients the engine synchronizes in bulk (CaSync-PS, one partition, at most
   :data:`~hipress.engine.engine.BULK_MAX_BYTES`) are grouped as it groups them: those
   that arrive in the same negotiation round (a window of ``round_s``), up to
@@ -23,12 +27,11 @@ the **exposed** sync time. This module simulates that, event by event:
   (one set of steps and messages, :func:`~hipress.engine.tasks.ps_bulk_task`);
 - uncompressed gradients are held, as the engine holds them, until
   :data:`hipress.engine.engine.FUSION_HOLD_BYTES` of them are waiting or the backward
-  pass ends (the rank then waits and flushes), and each release is one network job: their marginal
-  fused-allreduce times plus one fused buffer's fixed cost;
+  pass ends (the rank then waits and flushes, at once), and each release is one network
+  job: their marginal fused-allreduce times plus one fused buffer's fixed cost;
 - one compute server (the engine thread, ``sync.compute_threads`` = 0, or its one pool
-  thread) and one
-  network server per rank, each serving jobs first come, first served in order of the
-  time they become ready;
+  thread) and one network server per rank, each serving jobs first come, first served
+  in order of the time they become ready;
 - the compute server gets a share of a core: ``Profile.cpu_share_backward`` while the
   backward pass runs (the cost model's compute costs are already stretched by it) and
   ``Profile.cpu_share_tail`` for work that starts after the last arrival (both 1 in a
@@ -150,7 +153,7 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
             raise SeCoPaError(f"gradient {name!r}: ready time {ready!r} must be finite, >= 0")
         backward = max(backward, ready)
     held: List[str] = []
-    held_bytes = held_s = 0.0
+    held_bytes = held_s = held_link = 0.0
     #: job label of each fused buffer -> the gradients it carries
     fused: Dict[str, List[str]] = {}
 
@@ -166,27 +169,34 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         cost = model.compressed(codec, numel, strategy, partitions, feedback,
                                 tuple(shape) if shape is not None else None)
         k = max(1, cost.partitions)
-        half = cost.compute_s / (2 * k)
-        net = cost.network_s / k
+        half = (cost.compute_s - cost.remote_s) / (2 * k)
+        link = cost.network_s if cost.link_s is None else cost.link_s
         net_cpu = wire * model.payload(codec, numel) / k
+        # the messages' latency and the aggregation other ranks run on average delay the
+        # partition but hold neither the link nor this rank's engine
+        after = tuple(phase for phase in (
+            ("net", link / k, net_cpu), ("latency", (cost.network_s - link) / k, 0.0),
+            ("wait", cost.remote_s / k, 0.0), ("cpu", half, 0.0)) if phase[1] > 0)
         for _ in range(k):
-            heap.append((start, seq, "cpu", half,
-                         (("net", net, net_cpu), ("cpu", half, 0.0)), label, 0.0))
+            heap.append((start, seq, "cpu", half, after, label, 0.0))
             seq += 1
 
     def release(at: float) -> None:
-        nonlocal seq, held, held_bytes, held_s
+        nonlocal seq, held, held_bytes, held_s, held_link
         if held and model.N > 1:
             label = f"<fused {len(fused)}>"
             fused[label] = held
-            heap.append((at, seq, "net", held_s + model.fused_fixed(), (), label,
-                         wire * held_bytes))
+            lat = held_s + model.fused_fixed() - held_link
+            heap.append((at, seq, "net", held_link, (("latency", lat, 0.0),) if lat > 0 else (),
+                         label, wire * held_bytes))
             seq += 1
-        held, held_bytes, held_s = [], 0.0, 0.0
+        held, held_bytes, held_s, held_link = [], 0.0, 0.0, 0.0
 
     for name, numel, ready in sorted(arrivals, key=lambda a: a[2]):
         ch = choices.get(name, UNCOMPRESSED)
-        start = ready + lag
+        # one round after it arrives, but no later than the end of the backward pass: the
+        # rank then waits for its results, and a waiting rank's rounds go at once
+        start = min(ready + lag, backward)
         if ch.compress and int(numel) >= 1:
             if codec is None:
                 raise SeCoPaError(f"gradient {name!r} is compressed but no codec was given")
@@ -206,10 +216,12 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         else:
             held.append(name)
             held_bytes += 4.0 * int(numel)
-            held_s += model.uncompressed(int(numel)).network_s
+            unc = model.uncompressed(int(numel))
+            held_s += unc.network_s
+            held_link += unc.network_s if unc.link_s is None else unc.link_s
             if held_bytes >= FUSION_HOLD_BYTES:
                 release(start)
-    release(backward + lag)  # the rank waits for its results: the flush
+    release(backward)  # the rank waits for its results: the flush, in the next round
     for groups in rounds.values():
         for names, numel, start in groups:
             label = names[0] if len(names) == 1 else f"<bulk {len(bulked)}>"
@@ -228,24 +240,30 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
     wire_backward = 0.0
     while heap:
         ready, _, res, dur, rest, name, cpu = heapq.heappop(heap)
-        start = max(ready, free[res])
-        if res == "cpu" and start >= backward:
-            dur = dur / tail
-        end = start + dur
-        free[res] = end
-        busy[res] += dur
-        if res == "net" and cpu > 0 and start >= backward:
-            # after the backward pass the wire's CPU (the engine thread drives MPI) keeps
-            # the compute server from codec work: it is busy that long more (at the
-            # tail's share of a core); during the pass it is counted in backward_cpu_s
-            took = cpu / share_tail
-            free["cpu"] = max(free["cpu"], start) + took
-            busy["cpu"] += took
-        if start < backward:
-            if res == "cpu":
-                busy_backward += min(end, backward) - start
-            elif cpu > 0:  # the wire's CPU, spread evenly over the transfer
-                wire_backward += cpu * (min(end, backward) - start) / dur if dur > 0 else cpu
+        if res == "wait":  # another rank's engine: no queue here, no load on this rank
+            end = ready + (dur / tail if ready >= backward else dur)
+        elif res == "latency":  # messages' fixed latency: it does not hold the link
+            end = ready + dur
+        else:
+            start = max(ready, free[res])
+            if res == "cpu" and start >= backward:
+                dur = dur / tail
+            end = start + dur
+            free[res] = end
+            busy[res] += dur
+            if res == "net" and cpu > 0 and start >= backward:
+                # after the backward pass the wire's CPU (the engine thread drives MPI)
+                # keeps the compute server from codec work: it is busy that long more (at
+                # the tail's share of a core); during the pass it is in backward_cpu_s
+                took = cpu / share_tail
+                free["cpu"] = max(free["cpu"], start) + took
+                busy["cpu"] += took
+            if start < backward:
+                if res == "cpu":
+                    busy_backward += min(end, backward) - start
+                elif cpu > 0:  # the wire's CPU, spread evenly over the transfer
+                    wire_backward += (cpu * (min(end, backward) - start) / dur if dur > 0
+                                      else cpu)
         if rest:
             nxt_res, nxt_dur, nxt_cpu = rest[0]
             heapq.heappush(heap, (end, seq, nxt_res, nxt_dur, rest[1:], name, nxt_cpu))

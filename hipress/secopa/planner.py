@@ -65,7 +65,13 @@ from pydantic import (
 
 from hipress.codecs import Codec
 from hipress.engine.planning import Decision
-from hipress.secopa.cost import DEFAULT_FUSION_BYTES, Cost, CostModel, engine_paths
+from hipress.secopa.cost import (
+    DEFAULT_FUSION_BYTES,
+    DEFAULT_PARTITION_BYTES,
+    Cost,
+    CostModel,
+    engine_paths,
+)
 from hipress.secopa.errors import PlanError, SeCoPaError, format_validation_error
 from hipress.secopa.pipeline import UNCOMPRESSED, Simulation, simulate
 from hipress.secopa.profile import Profile
@@ -78,7 +84,6 @@ _K_DENSE = 32
 _K_RATIO = 1.1
 #: the engine's defaults, for the ``threshold`` baseline
 DEFAULT_MIN_COMPRESS_BYTES = 65536
-DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 #: names of the predicted totals
 TOTALS = ("plan", "compress_everything", "threshold", "compress_nothing")
 #: least predicted gain, as a fraction of the iteration, for which a plan made with
@@ -393,7 +398,8 @@ def _pipeline_search(run: Callable[[Sequence[Tuple[bool, Cost]]], Simulation],
 def _entry(name: str, numel: int, choice: Tuple[bool, Cost]) -> PlanEntry:
     compress, cost = choice
     return PlanEntry(name=name, numel=int(numel), compress=bool(compress),
-                     partitions=cost.partitions if compress else 1,
+                     partitions=cost.partitions if compress and cost.path in ("ps", "ring")
+                     else 1,
                      strategy=cost.path if compress else "fused",
                      predicted_ms=max(cost.total_s, 0.0) * 1e3)
 
@@ -407,7 +413,8 @@ def _feedback(codec: Optional[Codec], memory: str) -> bool:
 def decide(profile: Any, numel: int, shape: Any, codec: Optional[Codec], strategy: str,
            world_size: int, name: str = "gradient", memory: str = "auto",
            max_partitions: int = DEFAULT_MAX_PARTITIONS,
-           fusion_bytes: int = DEFAULT_FUSION_BYTES) -> PlanEntry:
+           fusion_bytes: int = DEFAULT_FUSION_BYTES,
+           partition_bytes: int = DEFAULT_PARTITION_BYTES) -> PlanEntry:
     """Decide compress / partitions / path for one gradient (the run-time entry point).
 
     Args:
@@ -424,6 +431,8 @@ def decide(profile: Any, numel: int, shape: Any, codec: Optional[Codec], strateg
             the engine's encode step includes error feedback.
         max_partitions: largest K tried.
         fusion_bytes: the engine's fused-buffer size.
+        partition_bytes: the engine's ``sync.partition_bytes`` (the gather path's
+            partitions).
 
     Returns:
         The :class:`PlanEntry` minimizing the cost model (the shared fused fixed cost is
@@ -436,7 +445,7 @@ def decide(profile: Any, numel: int, shape: Any, codec: Optional[Codec], strateg
         raise SeCoPaError(f"gradient {name!r}: shape {tuple(shape)} does not have {numel} "
                           "elements")
     model = profile if isinstance(profile, CostModel) else CostModel(
-        profile, world_size, fusion_bytes)
+        profile, world_size, fusion_bytes, partition_bytes)
     if model.N != int(world_size):
         raise SeCoPaError(f"cost model is for world size {model.N}, not {world_size}")
     opts = options(model, codec, int(numel), strategy, _feedback(codec, memory), max_partitions,
@@ -507,8 +516,8 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
         fusion_bytes: the engine's fused-buffer size (``sync.fusion_threshold_bytes``).
         min_compress_bytes: ``compression.min_compress_bytes``, for the ``threshold``
             baseline only.
-        partition_bytes: ``sync.partition_bytes``, for the ``threshold`` baseline and the
-            simulation's bulk groups.
+        partition_bytes: ``sync.partition_bytes``, for the ``threshold`` baseline, the
+            simulation's bulk groups and the gather path's partitions.
         profile_source: where the profile came from (recorded in the plan).
         arrivals: ``(name, numel, ready_s)`` of the gradients over a backward pass
             (:func:`hipress.secopa.pipeline.arrivals_from_timeline`); with them the plan
@@ -536,7 +545,7 @@ def plan(profile: Profile, gradients: Sequence[Tuple[str, Any]], codec: Optional
                           " (0.03 leaves a fixed policy for a predicted gain of 3 % or more)")
     if int(max_partitions) < 1:
         raise SeCoPaError(f"max_partitions must be >= 1, got {max_partitions}")
-    model = CostModel(profile, world_size, fusion_bytes)
+    model = CostModel(profile, world_size, fusion_bytes, partition_bytes)
     fb = _feedback(codec, memory)
     fixed = model.fused_fixed()
     names = [str(n) for n, _ in gradients]
@@ -664,12 +673,13 @@ def option_table(p: Plan, profile: Profile, gradients: Sequence[Tuple[str, Any]]
         codec: the codec given to :func:`plan`.
         fusion_bytes: the fused-buffer size given to :func:`plan`.
         arrivals: the arrivals given to :func:`plan` (None: no ``+ms`` columns).
-        partition_bytes: the ``partition_bytes`` given to :func:`plan` (bulk groups).
+        partition_bytes: the ``partition_bytes`` given to :func:`plan` (bulk groups,
+            the gather path's partitions).
 
     Returns:
         The table, one line per gradient of ``p`` under a header line.
     """
-    model = CostModel(profile, p.world_size, fusion_bytes)
+    model = CostModel(profile, p.world_size, fusion_bytes, partition_bytes)
     paths = list(engine_paths(codec, p.strategy)) if codec is not None else []
     head = f"{'gradient':<40}{'numel':>11}{'fused ms':>10}" + "".join(
         f"{x + ' ms':>11}{'K':>5}" for x in paths)

@@ -170,7 +170,8 @@ class PlanFollower:
                 finally:
                     comm.Free()
                 self._model = CostModel(self.profile, self.size,
-                                        self.cfg.sync.fusion_threshold_bytes)
+                                        self.cfg.sync.fusion_threshold_bytes,
+                                        self.cfg.sync.partition_bytes)
                 comp = self.cfg.compression
                 if comp.algorithm != "none":
                     main = self._main_codec = self._lookup(comp.algorithm, dict(comp.params))
