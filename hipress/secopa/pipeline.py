@@ -176,7 +176,7 @@ def simulate(model: CostModel, arrivals: Sequence[Arrival], choices: Dict[str, D
         # partition but hold neither the link nor this rank's engine
         after = tuple(phase for phase in (
             ("net", link / k, net_cpu), ("latency", (cost.network_s - link) / k, 0.0),
-            ("wait", cost.remote_s / k, 0.0), ("cpu", half, 0.0)) if phase[1] > 0)
+            ("wait", cost.remote_s / k, 0.0), ("cpu", half, 0.0)) if phase[1] > 0 or phase[2] > 0)
         for _ in range(k):
             heap.append((start, seq, "cpu", half, after, label, 0.0))
             seq += 1
