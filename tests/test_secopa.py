@@ -797,7 +797,6 @@ def test_simulation_shares_compute_and_link_and_pipelines_partitions():
 def test_simulation_overlaps_the_latency_of_many_small_messages():
     from hipress.engine.planning import Decision
     from hipress.secopa.pipeline import simulate
-
     from hipress.secopa.profile import Fit
 
     # 50 tiny Ring gradients, all ready at once, on links of 2-3 ms latency: each has N
