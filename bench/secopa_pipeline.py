@@ -36,7 +36,8 @@ With ``--sync-only`` the jobs do not train: every step submits the gradients of 
 backward pass all at once (last layer first, ``hipress.allreduce_async``) and waits for
 them (``bench/train_e2e_worker.py --sync-only``), so the measured step is the
 synchronization alone and the model predicts it from arrivals that all lie within the
-submission loop's few milliseconds. Its files are named ``<model>-<codec>-<rate>-sync``.
+submission loop's few milliseconds. Its files are named ``<model>-<codec>-<rate>-sync``
+(``-ring-sync`` under ``--strategy ring``, whose files are otherwise ``...-<rate>-ring``).
 
 Usage (root, for the network namespaces)::
 
@@ -47,8 +48,9 @@ Usage (root, for the network namespaces)::
 ``--analyse-only`` (same arguments and ``--out``) runs nothing and analyses the jobs an
 earlier run left there again.
 
-Writes ``<out>/<model>-<codec>-<rate>.json`` and ``.md`` (default ``bench/results/
-secopa-pipeline``); every job's command and log lines go to ``<out>/jobs/``.
+Writes ``<out>/<model>-<codec>-<rate>[-ring][-sync].json`` and ``.md`` (default
+``bench/results/secopa-pipeline``); every job's command and log lines go to
+``<out>/jobs/``.
 """
 
 from __future__ import annotations
@@ -222,7 +224,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     jobdir = out / "jobs"
     jobdir.mkdir(parents=True, exist_ok=True)
     rate = "local" if args.local else args.rate
-    tag = f"{args.model}-{args.codec}-{rate}" + ("-sync" if args.sync_only else "")
+    tag = (f"{args.model}-{args.codec}-{rate}" + ("-ring" if args.strategy == "ring" else "")
+           + ("-sync" if args.sync_only else ""))
     if args.local or args.analyse_only:
         return run_all(args, Runner(args, None, dict(os.environ), jobdir), out, tag)
     from hipress.testing.emucluster import EmulatedCluster, namespaces_unavailable
