@@ -62,6 +62,11 @@ def test_every_codec_and_strategy_bit_identical(np_):
 
 
 @pytest.mark.parametrize("np_", [2, 3])
+def test_powersgd_error_feedback_in_place_matches_reference(np_):
+    run_cases(np_, ["powersgd_feedback_matches_reference"])
+
+
+@pytest.mark.parametrize("np_", [2, 3])
 def test_error_feedback_tracks_running_sum(np_):
     run_cases(np_, ["error_feedback_tracks_sum"])
 

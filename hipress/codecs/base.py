@@ -251,6 +251,10 @@ class Codec(abc.ABC):
     error_feedback: ClassVar[bool] = False
     mergeable: ClassVar[bool] = True
     sparse_payload: ClassVar[bool] = False
+    #: :meth:`reduce_stages` takes ``out=``: an array of ``x``'s shape and dtype it writes
+    #: its result into (the engine passes the gradient's output buffer, saving a pass and,
+    #: for a fresh result, its page faults); codecs without it are never passed ``out``
+    stages_out: ClassVar[bool] = False
     #: memory the engine uses under ``compression.memory: auto`` when error_feedback is set
     default_memory: ClassVar[str] = "residual"
     #: CompLL spec (``hipress/compll/specs/<name>.hpc``) whose generated kernels compute
@@ -574,6 +578,10 @@ class Codec(abc.ABC):
           unbiased or lossless and needs no error feedback.
 
         The codec never communicates. ``x`` is 1-D or any shape; it is not modified.
+        Codecs with :attr:`stages_out` also take ``out=`` (keyword): a C-contiguous array
+        of ``x``'s shape and dtype, possibly ``x``'s own memory, that ``result`` is then
+        written into (and returned as), after the last stage's sum came back and ``x``
+        is no longer read.
 
         Raises:
             CodecError: the codec is not summable.

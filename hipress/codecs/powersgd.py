@@ -103,21 +103,23 @@ def orthogonalize(p: Any, epsilon: float = 0.0) -> Any:
     return p
 
 
-def low_rank_product(p: Any, q: Any) -> Any:
+def low_rank_product(p: Any, q: Any, out: Any = None) -> Any:
     """Return ``p @ q.T`` as a sum of ``r`` outer products (deterministic on every rank).
 
     Args:
         p: array of shape (m, r).
         q: array of shape (n, r), same dtype and module as ``p``.
+        out: optional C-contiguous array of shape (m, n) and ``p``'s dtype to write the
+            product into (no new array of m * n elements is made).
 
     Returns:
-        New array of shape (m, n) and ``p``'s dtype. Each element is
+        ``out``, or a new array of shape (m, n) and ``p``'s dtype. Each element is
         ``((p[i,0] q[j,0] + p[i,1] q[j,1]) + ...)`` summed in column order, so the result
         does not depend on BLAS blocking (ranks must agree bit for bit).
     """
     xp = array_module(p)
     r = p.shape[1]
-    out = xp.multiply(p[:, 0:1], q[:, 0][None, :])
+    out = xp.multiply(p[:, 0:1], q[:, 0][None, :], out=out)
     if r > 1:
         tmp = xp.empty_like(out)
         for k in range(1, r):
@@ -152,6 +154,7 @@ class PowerSGDCodec(Codec):
     """
 
     summable = True
+    stages_out = True
     error_feedback = True
     # P is orthogonalized after the sum: decoding, summing and re-encoding partial sums
     # (CaSync-PS/Ring) is not PowerSGD; only reduce_stages is.
@@ -277,7 +280,7 @@ class PowerSGDCodec(Codec):
         ops.check_finite(array_module(p).sum(p), name, "PowerSGD projection P = M Q")
 
     def reduce_stages(
-        self, x: Any, name: str, world_size: int, prescale: float = 1.0
+        self, x: Any, name: str, world_size: int, prescale: float = 1.0, *, out: Any = None
     ) -> Generator[Stage, Any, Any]:
         """Reduce ``x`` across ranks in two summed rounds of size (m + n) * rank.
 
@@ -305,6 +308,10 @@ class PowerSGDCodec(Codec):
             name: stable gradient name (keys the warm-start Q).
             world_size: number of ranks taking part (>= 1).
             prescale: factor applied before summing (1 / world_size for an average).
+            out: optional C-contiguous array of ``x``'s shape and dtype (``x``'s own
+                memory too): ``result`` is written into it (``P Q^T`` straight into it
+                when its dtype is the compute dtype) after the last sum, when ``x`` is
+                no longer read, and returned.
 
         Returns:
             ``(result, feedback)`` (generator return value).
@@ -323,6 +330,9 @@ class PowerSGDCodec(Codec):
             else:
                 send = x
             total = yield (send, "sum")
+            if out is not None:
+                out[...] = total.reshape(shape)
+                return out, None
             return total.astype(x.dtype, copy=False).reshape(shape), None
 
         m, n = dims
@@ -342,8 +352,11 @@ class PowerSGDCodec(Codec):
             q_local *= scale
         q_sum = yield (xp.ascontiguousarray(q_local), "sum")
         q_sum = xp.array(q_sum, dtype=cdt, copy=True).reshape(n, self.rank)
-        approx = low_rank_product(p_hat, q_sum)
-        result = approx.reshape(shape).astype(x.dtype, copy=False)
+        direct = out is not None and out.dtype == cdt
+        approx = low_rank_product(p_hat, q_sum, out.reshape(m, n) if direct else None)
+        if out is not None and not direct:
+            out[...] = approx.reshape(shape)  # the cast astype would make, in place
+        result = out if out is not None else approx.reshape(shape).astype(x.dtype, copy=False)
         self._q[name] = q_sum
         denom = float(prescale) * int(world_size)
         if abs(denom - 1.0) <= 1e-12:

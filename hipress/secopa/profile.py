@@ -1125,9 +1125,10 @@ def _measure_and_fit(comm: Any, codecs: Sequence[Any], sizes: Optional[Sequence[
 #: timeline spans the refit reads, and the profile primitive each one measures
 _SPAN_OPS = {"encode": "encode", "decode": "decode", "decode+merge": "merge",
              "merge+encode": "merge"}
-#: timeline spans of work on the engine's thread or pool (codec kernels, sums, stages):
-#: what the cost model charges as primitives, apart from its per-step overhead
-_WORK_SPANS = frozenset(_SPAN_OPS) | {"merge", "stage"}
+#: timeline spans of work on the engine's thread or pool (codec kernels, sums, stages, a
+#: compressed allreduce's error feedback and result write): what the cost model charges
+#: as primitives (``ef``, ``write``), apart from its per-step overhead
+_WORK_SPANS = frozenset(_SPAN_OPS) | {"merge", "stage", "feedback", "write"}
 
 
 def fit_step_overhead(events: Sequence[Dict[str, Any]]) -> Optional[Dict[str, float]]:
