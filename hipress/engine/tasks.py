@@ -691,7 +691,7 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
         # sent losslessly (no feedback): all of the compensated gradient went out, so the
         # residual is zero (as before, where such a residual was never anything else)
         x[...] = 0
-    if "out" not in kw or result is not kw["out"]:
+    if result is not kw.get("out"):  # the codec did not write into the output itself
         with env.timeline.span("write", gradient=job.name, numel=int(job.flat.size)):
             _write(env, job, 0, job.flat.size, xp.asarray(result).reshape(-1), scaled=True)
     _stat(env, job.name, payload_bytes=sent, raw_bytes=job.flat.nbytes)
