@@ -264,9 +264,23 @@ class _MpiAllgather:
         self.req = ctrl.Iallgather([slot, MPI.BYTE], [self.slots, MPI.BYTE])
         self.phase = 1
 
-    def test(self) -> Optional[List[bytes]]:
-        """Return every rank's bytes in rank order once the gather is done, else None."""
-        if self.phase == 1 and self.req.Test():
+    @property
+    def request(self) -> Any:
+        """The MPI request of the current phase, for a caller's own ``Testsome``."""
+        return self.req
+
+    def test(self, known: Optional[bool] = None) -> Optional[List[bytes]]:
+        """Return every rank's bytes in rank order once the gather is done, else None.
+
+        Args:
+            known: whether :attr:`request` completed, when the caller just tested it in
+                its own ``Testsome`` (each test of an incomplete request runs MPI's
+                progress engine once: over TCP tens of us); None tests it here.
+        """
+        if self.phase == 1:
+            if not (self.req.Test() if known is None else known):
+                return None
+            known = None  # the second phase's request is new: tested here
             counts = self.slots[:, :8].copy().view(np.int64).reshape(-1).astype(int)
             if int(counts.max(initial=0)) <= ALLGATHER_SLOT_BYTES - 8:
                 return [bytes(self.slots[r, 8:8 + c]) for r, c in enumerate(counts)]
@@ -278,7 +292,7 @@ class _MpiAllgather:
             self.req = self.ctrl.Iallgatherv(
                 send, [self.all, counts, self.displs, self.MPI.BYTE])
             self.phase = 2
-        if self.phase == 2 and self.req.Test():
+        if self.phase == 2 and (self.req.Test() if known is None else known):
             return [bytes(self.all[d:d + c]) for d, c in zip(self.displs, self.counts)]
         return None
 

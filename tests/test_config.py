@@ -349,11 +349,16 @@ def test_summarize_effective_is_one_line_with_code_overrides():
     assert line == (
         "HiPress: 2 ranks (2 on this host) | gradients: dgc (DistributedOptimizer) | "
         "policy: onebit, min 4 KiB, warm-up 0, memory auto, rules *.bias->none | sync: auto, "
-        "partitions 4 MiB, fusion 64 MiB, cycle 20 ms, stall warning 60 s, shutdown 20 s, "
+        "partitions 4 MiB, fusion 64 MiB, cycle 20-80 ms, stall warning 60 s, shutdown 20 s, "
         "plan none | timeline off")
     plain = summarize_effective(config_from_dict({}), 1, 1)
     assert plain.startswith("HiPress: 1 rank (1 on this host) | policy: none, min 64 KiB")
     assert "gradients:" not in plain and "\n" not in plain
+    fixed = config_from_dict({"sync": {"cycle_time_ms": 20, "max_cycle_time_ms": 20}})
+    assert ", cycle 20 ms," in summarize_effective(fixed, 1, 1)
+    # a longest cycle under the cycle counts as the cycle (the engine takes the larger)
+    long_ = config_from_dict({"sync": {"cycle_time_ms": 100, "max_cycle_time_ms": 80}})
+    assert ", cycle 100 ms," in summarize_effective(long_, 1, 1)
 
 
 # ----------------------------------------------------------------------------- configs/

@@ -134,6 +134,11 @@ def test_cycle_paces_rounds_and_a_waiting_rank_starts_one_at_once(np_):
 
 
 @pytest.mark.parametrize("np_", [2, 3])
+def test_small_gradients_share_rounds_until_a_partition_is_queued(np_):
+    run_cases(np_, ["small_gradients_share_rounds_until_a_partition_is_queued"])
+
+
+@pytest.mark.parametrize("np_", [2, 3])
 def test_ps_bulk_is_bit_identical_to_one_task_per_gradient(np_):
     run_cases(np_, ["ps_bulk_matches_one_task_per_gradient"])
 

@@ -3,8 +3,9 @@
 User threads call :meth:`Engine.submit`, which resolves the gradient's codec from the
 policy and queues it; it never touches MPI. One background thread owns MPI:
 
-1. *Negotiation* — every cycle each rank contributes the names it has newly submitted
-   (with numel, dtype, codec and op) to a non-blocking allgather on the control
+1. *Negotiation* — every cycle (up to ``sync.max_cycle_time_ms`` while less than a
+   partition's worth of bytes is queued) each rank contributes the names it has newly
+   submitted (with numel, dtype, codec and op) to a non-blocking allgather on the control
    communicator. Every rank thus sees the same table and starts a gradient once every
    rank has submitted it, in an order all ranks derive identically (the round in which
    it became ready, then rank 0's submission order). Submission order and hash seeds of
@@ -256,6 +257,7 @@ class Engine:
         self._warned_regroup = False
         self._lock = threading.Lock()
         self._queue: Deque[_Submission] = collections.deque()
+        self._queued_bytes = 0  # bytes of the queue: a partition's worth starts a round
         self._inflight: Dict[str, _Submission] = {}
         self._seq = 0
         self._error: Optional[BaseException] = None
@@ -1014,6 +1016,7 @@ class Engine:
                 sub.handle._engine = self
                 self._inflight[sub.name] = sub
                 self._queue.append(sub)
+                self._queued_bytes += int(sub.array.nbytes)
         if self.timeline.enabled:  # when each gradient became ready (SeCoPa's arrivals)
             now = self.timeline.now_us()
             for sub in subs:
@@ -1071,15 +1074,21 @@ class Engine:
     def _loop(self) -> None:
         tx = self.world.tx
         cycle = self.cfg.sync.cycle_time_ms / 1000.0
+        long_cycle = max(cycle, self.cfg.sync.max_cycle_time_ms / 1000.0)
+        round_bytes = self.cfg.sync.partition_bytes
         phase, req, round_start, last_round = 0, None, 0.0, 0.0
         idle_rounds = idle_polls = 0
         last_progress = 0.0
         moved = False  # the last round started a task or carried a new name
         while True:
             progressed = False
+            # the round's request rides in the primitives' Testsome (MPI transport)
+            round_req = getattr(req, "request", None) if phase == 1 else None
+            known = None
             if self._sched.busy and self._local_error is None:
                 try:
-                    progressed = self._sched.poll()
+                    progressed = self._sched.poll(round_req)
+                    known = self._sched.extra_done
                     if self._held:  # tasks that finished may have freed their tags
                         self._start_held()
                 except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
@@ -1093,15 +1102,26 @@ class Engine:
             # after a round that moved something, else once per cycle (a stall, where
             # every rank waits, costs one round per cycle, not a busy loop).
             urgent = bool(self._waiting and (self._table or self._queue or self._fuse_pending))
+            # Fewer than a partition's worth of bytes queued: the round waits up to the
+            # long cycle, so the small gradients of a slow backward pass share rounds (a
+            # round costs every rank an Iallgather and its polls); a partition's worth, a
+            # flush or a waiting rank keep the one-cycle pace.
+            cyc = cycle if self._queued_bytes >= round_bytes else long_cycle
             if phase == 0:
-                wait = _round_interval(cycle, idle_rounds)
+                wait = _round_interval(cyc, idle_rounds)
                 if (now - last_round >= wait or self._flush_once
                         or (urgent and (moved or now - last_round >= cycle))
-                        or (self._wake.is_set() and now - last_round >= cycle)):
+                        or (self._wake.is_set() and now - last_round >= cyc)):
                     self._wake.clear()
                     req = tx.iallgather_bytes(self._make_message())
                     phase, round_start = 1, now
-            gathered = req.test() if phase == 1 else None
+            if phase == 1:
+                # a round posted above (known None) or a request that is not the one
+                # tested (phase 2 began) is tested by the allgather itself
+                same = round_req is not None and getattr(req, "request", None) is round_req
+                gathered = req.test(known if same else None)
+            else:
+                gathered = None
             if gathered is not None:
                 msgs = [json.loads(m) for m in gathered]
                 phase, last_round = 0, time.monotonic()
@@ -1163,7 +1183,7 @@ class Engine:
                 else:
                     wait = min(_POLL_MIN_S * (1 << min(idle_polls - 1, 4)), _POLL_MAX_S)
             else:
-                wait = _round_interval(cycle, idle_rounds)
+                wait = _round_interval(cyc, idle_rounds)
                 if urgent:
                     wait = min(wait, cycle)
             self._sleeping_long = wait > min(cycle, _POLL_MAX_S)
@@ -1188,6 +1208,7 @@ class Engine:
                             sub.root, sub.strategy or "", sub.partitions or 0,
                             _shape_meta(sub), _finite_flag(sub), sub.extra,
                             int(sub.filler)])
+            self._queued_bytes = 0
             queue_empty = not self._queue
             joined = self._join_handle is not None
         bye = (self._shutdown.is_set() and queue_empty and not self._sched.busy
@@ -1752,6 +1773,8 @@ def _finite_flag(sub: _Submission) -> int:
 def _round_interval(cycle_s: float, idle_rounds: int) -> float:
     """Seconds between negotiation rounds after ``idle_rounds`` rounds without new names.
 
+    ``cycle_s`` is the engine's current cycle (``sync.cycle_time_ms``, or
+    ``sync.max_cycle_time_ms`` while less than a partition's worth of bytes is queued).
     One cycle while names arrive; then doubling per idle round up to
     :data:`_IDLE_ROUND_MAX_S`. Idle rounds cost every rank CPU (a forward pass alone
     would otherwise run a hundred of them per second); a rank with new names starts a

@@ -154,6 +154,7 @@ class Scheduler:
         #: cost model charges ``step_overhead_s`` for
         self.task_steps = 0
         self._reqs: List[Any] = []
+        self.extra_done: Optional[bool] = None  # see poll()
         self._req_ops: List[_Op] = []
         self._computed: Deque[_Op] = collections.deque()
         self._ready: List[_Task] = []
@@ -181,13 +182,19 @@ class Scheduler:
         """True while any task is in flight."""
         return bool(self.tasks)
 
-    def poll(self) -> bool:
+    def poll(self, extra: Any = None) -> bool:
         """Test every pending primitive and resume tasks whose primitives finished.
+
+        Args:
+            extra: one more request of the transport (the negotiation round's), tested in
+                the same ``test_some`` as the primitives': one pass of MPI's progress
+                engine instead of two. :attr:`extra_done` then says whether it completed
+                (None: it was not tested, no primitive was pending).
 
         Returns:
             True if any task made progress.
         """
-        self._test_all()
+        self._test_all(extra)
         progressed = bool(self._ready)
         while self._ready:
             ready, self._ready = self._ready, []
@@ -230,13 +237,18 @@ class Scheduler:
         if task.pending == 0:
             self._ready.append(task)
 
-    def _test_all(self) -> None:
+    def _test_all(self, extra: Any = None) -> None:
         """Finish every primitive that completed since the last call."""
+        self.extra_done = None
         while self._computed:
             op = self._computed.popleft()
             self._finish_op(op, op.future.result())  # re-raises the step's exception
         if self._reqs:
-            idx = self.tx.test_some(self._reqs)
+            n = len(self._reqs)
+            idx = self.tx.test_some(self._reqs if extra is None else self._reqs + [extra])
+            if extra is not None:
+                self.extra_done = n in idx
+                idx = [i for i in idx if i < n]
             if idx:
                 done = set(idx)
                 for i in idx:

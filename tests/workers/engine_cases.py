@@ -696,6 +696,44 @@ def cycle_paces_rounds_and_waiting_flushes():
 
 
 @case
+def small_gradients_share_rounds_until_a_partition_is_queued():
+    """A 5 ms cycle, a 2 s longest cycle and 64 KiB partitions: 20 small gradients
+    submitted over ~100 ms start no round (less than a partition is queued); a 128 KiB
+    gradient starts one within a second with no rank waiting, and every value is exact."""
+    hp.shutdown()
+    hp.init({"sync": {"cycle_time_ms": 5, "max_cycle_time_ms": 2000,
+                      "partition_bytes": 64 * 1024}, "logging": {"level": "WARNING"}})
+    from hipress.api import _engine
+
+    r, n = hp.rank(), hp.size()
+    hp.barrier()  # every rank starts the submissions together, right after a round
+    eng = _engine()
+    before = eng._round
+    hs = []
+    for k in range(20):  # the small gradients of a slow backward pass
+        hs.append(hp.allreduce_async(np.full(8, float(r * 100 + k), np.float32),
+                                     f"batch.small{k}", op="sum"))
+        time.sleep(0.005)
+    during = eng._round - before
+    big = np.arange(32 * 1024, dtype=np.float32) + r  # 128 KiB: two partitions
+    t0 = time.monotonic()
+    hs.append(hp.allreduce_async(big, "batch.big", op="sum"))
+    while eng._round == before + during and time.monotonic() - t0 < 5.0:
+        time.sleep(0.001)  # no rank waits on a handle: no flush
+    started = time.monotonic() - t0
+    outs = [hp.synchronize(h) for h in hs]
+    for k, out in enumerate(outs[:-1]):
+        want = float(100 * sum(range(n)) + n * k)
+        assert np.array_equal(out, np.full(8, want, np.float32)), (k, out)
+    want_big = n * np.arange(32 * 1024, dtype=np.float32) + sum(range(n))
+    assert np.array_equal(outs[-1], want_big), outs[-1][:4]
+    assert during == 0, f"{during} rounds started for 20 small gradients (longest cycle 2 s)"
+    assert started < 1.0, (f"the round for a partition's worth of bytes took {started:.2f} s "
+                           "(the cycle is 5 ms, the longest cycle 2 s)")
+    hp.shutdown()
+
+
+@case
 def duplicate_inflight_name():
     h = hp.allreduce_async(np.ones(3, np.float32), "dup")
     if hp.size() == 1:  # complete on return: nothing is in flight at world size 1
@@ -1128,7 +1166,10 @@ def negotiation_allgather_sizes():
 
     Message lengths around the transport's one-collective slot (MPI: an int64 length and
     ``ALLGATHER_SLOT_BYTES - 8`` bytes): empty, short, exactly full, one byte over, long;
-    rounds where only some ranks overflow take the second phase on every rank.
+    rounds where only some ranks overflow take the second phase on every rank. Odd
+    rounds are tested as the engine does while primitives are in flight: the current
+    phase's ``request`` in the caller's own ``Testsome``, its outcome passed as
+    ``known`` (the second phase's new request is then tested by the allgather itself).
     """
     from hipress import comm
 
@@ -1146,9 +1187,17 @@ def negotiation_allgather_sizes():
             return bytes((q * 31 + k + i) % 256 for i in range(size))
 
         req = comm._MpiAllgather(ctrl, MPI, msg(r))
-        got = None
+        assert req.test(known=False) is None  # not done: no test, no phase change
+        got, polls = None, 0
         while got is None:
-            got = req.test()
+            if k % 2:
+                rq = req.request
+                done = 0 in (MPI.Request.Testsome([rq]) or [])
+                got = req.test(known=done)
+            else:
+                got = req.test()
+            polls += 1
+            assert polls < 10_000_000, f"round {k} never completed"
         assert got == [msg(q) for q in range(n)], (k, [len(g) for g in got])
     ctrl.Free()
 
