@@ -1119,7 +1119,7 @@ class Engine:
                 # a round posted above (known None) or a request that is not the one
                 # tested (phase 2 began) is tested by the allgather itself
                 same = round_req is not None and getattr(req, "request", None) is round_req
-                gathered = req.test(known if same else None)
+                gathered = req.test(known) if same else req.test()
             else:
                 gathered = None
             if gathered is not None:
