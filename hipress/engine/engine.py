@@ -1116,10 +1116,9 @@ class Engine:
                     req = tx.iallgather_bytes(self._make_message())
                     phase, round_start = 1, now
             if phase == 1:
-                # a round posted above (known None) or a request that is not the one
-                # tested (phase 2 began) is tested by the allgather itself
-                same = round_req is not None and getattr(req, "request", None) is round_req
-                gathered = req.test(known) if same else req.test()
+                # known is None unless poll() just tested this round's request (a round
+                # posted above, another transport, no primitive pending): it tests itself
+                gathered = req.test() if known is None else req.test(known)
             else:
                 gathered = None
             if gathered is not None:
