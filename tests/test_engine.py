@@ -178,6 +178,18 @@ def test_failure_on_one_rank_fails_every_rank_quickly():
     assert proc.returncode != 0
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_powersgd_stage_error_drops_the_compensated_residual_on_every_rank(np_):
+    t0 = time.monotonic()
+    proc = run_mpi(np_, WORKER, ["powersgd_stage_error_drops_residual"], timeout=60,
+                   env={"STALL": "60"})
+    assert time.monotonic() - t0 < 40
+    passed = [line for line in proc.stdout.splitlines()
+              if line.endswith("PASS powersgd_stage_error_drops_residual")]
+    assert len(passed) == np_, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0  # transfers in flight when the engines stopped: no finalize
+
+
 def test_dead_rank_does_not_hang_the_others():
     t0 = time.monotonic()
     proc = run_mpi(3, WORKER, ["dead_rank"], timeout=60)

@@ -1062,6 +1062,7 @@ class Engine:
                 logger.exception("HiPress engine thread failed")
                 exc = SyncError(f"HiPress engine failed: {exc!r}")
             self._error = exc
+            self._sched.abort()
             with self._lock:
                 left = list(self._inflight.values())
                 self._inflight.clear()

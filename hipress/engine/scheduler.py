@@ -209,6 +209,21 @@ class Scheduler:
             self._check_timeouts(now)
         return progressed
 
+    def abort(self) -> None:
+        """Close every task in flight (the engine stopped on an error) and forget them.
+
+        Each task coroutine gets ``GeneratorExit`` at its pending ``yield``, so it runs its
+        own cleanup: :func:`~hipress.engine.tasks.summable_task` drops a residual it
+        compensated in place, which would otherwise be read (by ``state_dict``) as a
+        residual. Primitives already posted stay in the transport's hands: their requests
+        and buffers are kept, never freed under MPI.
+        """
+        tasks, self.tasks = list(self.tasks), set()
+        for task in tasks:
+            gen, task.gen = task.gen, None
+            if gen is not None:
+                gen.close()
+
     def shutdown(self) -> None:
         """Stop the compute pool."""
         if self.pool is not None:

@@ -26,8 +26,7 @@ Strategies (after Bai et al., SOSP'21, section 3):
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -644,7 +643,9 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     :attr:`~hipress.codecs.Codec.stages_out`) and its feedback, which updates the
     residual; 4. average. Steps 1 and 3-4 are timed as ``feedback`` and ``write`` spans.
     For VGG-19's 392 MiB PowerSGD gradient this saves two fresh arrays (their page
-    faults) and one pass per step.
+    faults) and one pass per step. Until step 3 such a residual's buffer holds the
+    compensated gradient: a stage that raises, or the task closed when the engine stops
+    (:meth:`~hipress.engine.scheduler.Scheduler.abort`), drops that gradient's residual.
     """
     codec, N = job.codec, env.size
     fb = job.contributes and job.memory.name != "none"
@@ -659,38 +660,45 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
     if codec.stages_out and job.out is not None and job.out.dtype == job.flat.dtype:
         kw["out"] = job.out.reshape(job.shape)
     stages = codec.reduce_stages(x, job.name, N, 1.0 / _divisor(env, job), **kw)
-    # compensated in the residual's buffer: a failed stage leaves no residual to keep
-    forget = functools.partial(job.memory.reset, job.name) if in_state is not None else None
     value: Any = None
     i = 0
     sent = 0
-    while True:
-        step = yield Compute(_stage_step, (env, job.name, stages, value, i, codec.name,
-                                           int(job.flat.size), forget))
-        if step[0] == "done":
-            result, feedback = step[1]
-            break
-        arr, op = step[1]
-        host = to_host(arr).reshape(-1)
-        sent += host.nbytes
-        start = env.timeline.now_us()
-        if op == "sum":
-            red = yield from allreduce_sum(env, host, tag + 2 * i)
-        elif op == "max":
-            red = yield from allreduce_max(env, host, tag + 2 * i)
-        else:
-            raise ValueError(f"codec {codec.name!r} asked for reduction {op!r}; expect sum or max")
-        env.timeline.add("allreduce", start, env.timeline.now_us() - start, gradient=job.name,
-                         stage=i, bytes=int(host.nbytes), op=op)
-        value = red.reshape(arr.shape) if xp is np else xp.asarray(red).reshape(arr.shape)
-        i += 1
-    if fb and feedback is not None:
-        with env.timeline.span("feedback", gradient=job.name, numel=int(job.flat.size)):
-            job.memory.update(job.name, x, feedback)
-    elif forget is not None:
-        # sent losslessly (no feedback): all of the compensated gradient went out, so the
-        # residual is zero (as before, where such a residual was never anything else)
-        x[...] = 0
+    try:
+        while True:
+            step = yield Compute(_stage_step, (env, job.name, stages, value, i, codec.name,
+                                               int(job.flat.size)))
+            if step[0] == "done":
+                result, feedback = step[1]
+                break
+            arr, op = step[1]
+            host = to_host(arr).reshape(-1)
+            sent += host.nbytes
+            start = env.timeline.now_us()
+            if op == "sum":
+                red = yield from allreduce_sum(env, host, tag + 2 * i)
+            elif op == "max":
+                red = yield from allreduce_max(env, host, tag + 2 * i)
+            else:
+                raise ValueError(
+                    f"codec {codec.name!r} asked for reduction {op!r}; expect sum or max")
+            env.timeline.add("allreduce", start, env.timeline.now_us() - start, gradient=job.name,
+                             stage=i, bytes=int(host.nbytes), op=op)
+            value = red.reshape(arr.shape) if xp is np else xp.asarray(red).reshape(arr.shape)
+            i += 1
+        if fb and feedback is not None:
+            with env.timeline.span("feedback", gradient=job.name, numel=int(job.flat.size)):
+                job.memory.update(job.name, x, feedback)
+        elif in_state is not None:
+            # sent losslessly (no feedback): all of the compensated gradient went out, so the
+            # residual is zero (as before, where such a residual was never anything else)
+            x[...] = 0
+    except BaseException:
+        # Compensated in the residual's buffer, the state holds g + e, not e: a stage that
+        # raised here, or this task closed because the engine stopped (a peer's error, a
+        # stall; Scheduler.abort), leaves no residual worth keeping, so it is dropped
+        if in_state is not None:
+            job.memory.reset(job.name)
+        raise
     if result is not kw.get("out"):  # the codec did not write into the output itself
         with env.timeline.span("write", gradient=job.name, numel=int(job.flat.size)):
             _write(env, job, 0, job.flat.size, xp.asarray(result).reshape(-1), scaled=True)
@@ -699,13 +707,12 @@ def summable_task(env: TaskEnv, job: Job, tag: int) -> Generator:
 
 
 def _stage_step(env: TaskEnv, name: str, stages: Generator, value: Any, i: int,
-                codec: str, numel: int, on_error: Optional[Callable[[], Any]] = None) -> Tuple:
+                codec: str, numel: int) -> Tuple:
     """Run a codec's reduce_stages up to its next reduction (on the compute pool).
 
     Its timeline span (``encode`` for stage 0, then ``stage``) names the codec and the
     gradient's elements, so that a refit (:func:`hipress.secopa.profile.refit_from_timeline`)
     can price a gradient's stages together against the profile's ``stages`` fit.
-    ``on_error`` runs before an error of the codec propagates.
     """
     with env.timeline.span("encode" if i == 0 else "stage", gradient=name, stage=i,
                            codec=codec, numel=numel):
@@ -713,10 +720,6 @@ def _stage_step(env: TaskEnv, name: str, stages: Generator, value: Any, i: int,
             return ("stage", stages.send(value))
         except StopIteration as stop:
             return ("done", stop.value)
-        except Exception:
-            if on_error is not None:
-                on_error()
-            raise
 
 
 def fused_task(env: TaskEnv, jobs: Sequence[Job], tag: int) -> Generator:

@@ -844,6 +844,49 @@ def failure_on_one_rank_fails_all():
         raise AssertionError("the failure on rank 1 went unnoticed")
 
 
+@case
+def powersgd_stage_error_drops_residual():
+    """PowerSGD compensates in the residual's own buffer, so while its stages run that
+    buffer holds g + e, not e. When rank 1's stage raises (a finite gradient whose
+    projection P = M Q overflows float32), rank 1 raises that error and the others a
+    PeerFailure naming rank 1, within seconds; on every rank the gradient's residual is
+    then gone (the failing rank's stage error, the others' tasks closed when their
+    engines stopped), not left holding the compensated gradient."""
+    from hipress.codecs import get_codec
+
+    r = hp.rank()
+    codec = get_codec("powersgd", rank=1)
+    name = "psgd.err.w"
+    hp.allreduce(np.random.default_rng(r).standard_normal((96, 40)).astype(np.float32),
+                 name, codec=codec)
+    before = _residuals(name)
+    assert list(before) == [name] and np.any(before[name]), sorted(before)
+    q = codec.state_dict()[name]  # the warm start the next step projects onto
+    g = np.random.default_rng(10 + r).standard_normal((96, 40)).astype(np.float32)
+    if r == 1:
+        # every row +-2e37 * sign(Q): each P_i = +-2e37 * sum|Q_j| overflows float32, while
+        # the rows' alternating signs keep the engine's finite check (a float32 sum of the
+        # gradient) finite, so the gradient does go to the codec
+        assert np.abs(q).sum() > 20, q.ravel()
+        rows = np.where(np.arange(96) % 2 == 0, 1, -1).astype(np.float32)[:, None]
+        g[...] = np.float32(2e37) * rows * np.where(q[:, 0] >= 0, 1, -1).astype(np.float32)
+        assert np.isfinite(g.sum(dtype=np.float32))
+    t0 = time.monotonic()
+    try:
+        hp.allreduce(g, name, codec=codec)
+    except Exception as exc:  # noqa: BLE001
+        if r == 1:
+            assert type(exc).__name__ == "NonFiniteGradientError", repr(exc)
+            assert "PowerSGD projection" in str(exc), str(exc)
+        else:
+            assert type(exc).__name__ == "PeerFailure", repr(exc)
+            assert "rank 1 failed" in str(exc) and "NonFiniteGradientError" in str(exc), str(exc)
+        assert time.monotonic() - t0 < 10
+    else:
+        raise AssertionError("rank 1's overflowing projection went unnoticed")
+    assert _residuals(name) == {}, "the compensated gradient was kept as the residual"
+
+
 def _residuals(name):
     out = {}
     for table in hp.state_dict()["memories"].values():
