@@ -34,10 +34,12 @@ Usage (root, repository root, virtual environment active; see bench/README.md)::
     python bench/train_e2e.py --dry-run                         # print the commands
 
 Machine speed drifts by 5-20 % between jobs minutes apart. With ``--repeats R`` every
-job runs R times in rounds (all jobs, then all again), each row reports the median
-images/s over the rounds with the lowest and highest, and each "vs" ratio is the median
-of the R ratios measured within one round (both jobs minutes apart, not a round apart),
-with their range.
+job runs R times in rounds (all jobs, then all again in the reverse order, then forward
+again...: the job that ran right after the compute floor ran slowest in every round of
+2026-12-07's runs, and alternating the order gives no job a fixed place), each row
+reports the median images/s over the rounds with the lowest and highest, and each "vs"
+ratio is the median of the R ratios measured within one round (both jobs minutes apart,
+not a round apart), with their range.
 
 Writes ``<out>/train_e2e.json`` (every row; with ``--repeats``, ``runs`` holds each
 round's rows), ``train_e2e.md`` (the table),
@@ -56,7 +58,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -114,7 +116,8 @@ def parse(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--iters", type=int, default=5, help="timed steps (median reported)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="run every job this many times, in rounds (all jobs, then all again): "
+                   help="run every job this many times, in rounds (all jobs, then all again "
+                   "in the reverse order, alternating): "
                    "a row reports the median over rounds and their range, and each ratio is "
                    "the median of the ratios measured within one round")
     p.add_argument("--torch-threads", type=int, default=0,
@@ -564,6 +567,18 @@ def plot_rows(rows: List[Dict[str, Any]], path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
+def round_order(jobs: Sequence[Dict[str, Any]], repeat: int) -> List[Tuple[int, Dict[str, Any]]]:
+    """Return ``(index, job)`` pairs in the order round ``repeat`` (from 1) runs them.
+
+    Odd rounds run the jobs as planned, even rounds in the reverse order (ABBA
+    counterbalancing): a job's mean place over two rounds is the middle, so neither a
+    drift of the machine during a round nor the job it follows favours any system.
+    ``index`` is the job's place in ``jobs`` (its rendezvous port).
+    """
+    order = list(enumerate(jobs))
+    return order[::-1] if repeat % 2 == 0 else order
+
+
 def run_rate(args: argparse.Namespace, rate: str, jobs: List[Dict[str, Any]], out: Path,
              hosts: Optional[str], master_host: str, env: Dict[str, str],
              rows: List[Dict[str, Any]], meta: Dict[str, Any], repeat: int = 1) -> None:
@@ -575,7 +590,7 @@ def run_rate(args: argparse.Namespace, rate: str, jobs: List[Dict[str, Any]], ou
     jobdir = out / "jobs"
     jobdir.mkdir(exist_ok=True)
     n = args.hosts if hosts else (args.np or args.hosts)
-    for k, job in enumerate(jobs):
+    for k, job in round_order(jobs, repeat):
         tag = f"{job['framework']}-{job['model']}-{job['label']}-{rate}"
         if args.repeats > 1:
             tag += f"-r{repeat}"

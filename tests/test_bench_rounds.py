@@ -39,6 +39,15 @@ def _row(label, repeat, ips, rc=0, load=1.0):
     return row
 
 
+def test_rounds_alternate_the_job_order(e2e):
+    jobs = [{"label": "ddp-noop"}, {"label": "ddp-powersgd1"}, {"label": "hipress-ps-onebit"}]
+    labels = [[job["label"] for _, job in e2e.round_order(jobs, r)] for r in (1, 2, 3)]
+    assert labels[0] == labels[2] == ["ddp-noop", "ddp-powersgd1", "hipress-ps-onebit"]
+    assert labels[1] == ["hipress-ps-onebit", "ddp-powersgd1", "ddp-noop"]
+    # the index is the job's planned place (its rendezvous port), whatever the round
+    assert [k for k, _ in e2e.round_order(jobs, 2)] == [2, 1, 0]
+
+
 def test_rounds_give_medians_ranges_and_within_round_ratios(e2e):
     # the machine drifts: round 2 is fast for every system, round 3 slow
     runs = [_row("ddp-noop", 1, 10.0), _row("ddp-powersgd1", 1, 6.0),
