@@ -225,7 +225,8 @@ def broadcast_parameters(params: Mapping[str, Any], root_rank: int = 0) -> None:
             sorted key order; every rank must pass the same keys. A parameter whose
             initialization is deferred (shape known only at the first forward pass) is
             broadcast right after it is initialized, on that first forward pass (as
-            Horovod does).
+            Horovod does). Every other broadcast is started before the first is waited
+            for, so they share negotiation rounds.
         root_rank: the rank whose values everyone gets.
 
     Raises:
@@ -235,6 +236,7 @@ def broadcast_parameters(params: Mapping[str, Any], root_rank: int = 0) -> None:
         raise TypeError(
             f"expect net.collect_params() or a dict of Parameters/NDArrays, got {type(params)}"
         )
+    todo = []  # (array, name): every broadcast starts before the first is waited for
     for key, p in sorted(params.items()):
         name = f"broadcast_parameters.{key}"
         if isinstance(p, mx.gluon.Parameter):
@@ -242,12 +244,19 @@ def broadcast_parameters(params: Mapping[str, Any], root_rank: int = 0) -> None:
                 p._init_impl = types.MethodType(_broadcast_after_init(p, root_rank, name), p)
                 logger.debug("parameter %s: deferred initialization, broadcast at first use", key)
                 continue
-            for data in p.list_data():
-                broadcast_(data, root_rank, name=name)
+            # one name per copy (a parameter has one per context): names in flight differ
+            todo += [(data, name if i == 0 else f"{name}@{i}")
+                     for i, data in enumerate(p.list_data())]
         elif isinstance(p, mx.nd.NDArray):
-            broadcast_(p, root_rank, name=name)
+            todo.append((p, name))
         else:
             raise TypeError(f"entry {key!r} is a {type(p)}, not a Parameter or NDArray")
+    handles = [hipress.broadcast_async(to_array(t, any_dtype=True), root_rank, name)
+               for t, name in todo]
+    for (t, _), handle in zip(todo, handles):
+        result = hipress.synchronize(handle)
+        if hipress.rank() != root_rank:
+            write_into(t, result)
 
 
 def _broadcast_after_init(param: Any, root_rank: int, name: str) -> Any:

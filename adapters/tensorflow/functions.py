@@ -243,11 +243,20 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> None:
         root_rank: the rank whose values everyone gets.
 
     Works eagerly and inside ``tf.function`` (each variable through one
-    ``tf.py_function`` broadcast followed by ``assign``).
+    ``tf.py_function`` broadcast followed by ``assign``). Eagerly, every broadcast is
+    started before the first is waited for, so they share negotiation rounds.
     """
     variables = list(variables)
-    names = unique_names([variable_name(v) for v in variables], "var")
-    for v, n in zip(variables, names):
-        v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=f"broadcast_variables.{n}"))
+    names = [f"broadcast_variables.{n}"
+             for n in unique_names([variable_name(v) for v in variables], "var")]
+    if not tf.executing_eagerly():
+        for v, n in zip(variables, names):
+            v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=n))
+        return
+    tensors = [tf.convert_to_tensor(v) for v in variables]
+    handles = [hipress.broadcast_async(to_array(t), root_rank, n)
+               for t, n in zip(tensors, names)]
+    for v, t, handle in zip(variables, tensors, handles):
+        v.assign(from_array(hipress.synchronize(handle), t.dtype))
 
 

@@ -492,6 +492,10 @@ def broadcast_parameters(
 ) -> None:
     """Overwrite every rank's tensors in place with ``root_rank``'s (model initialization).
 
+    Every broadcast is started before the first is waited for (as Horovod does), so they
+    share negotiation rounds: ResNet-50's 320 state tensors took 328 rounds and 4.1 s
+    one at a time on 4 emulated hosts.
+
     Args:
         params: ``model.state_dict()`` (buffers included), ``model.named_parameters()``,
             or a list of tensors; entries that are not tensors are skipped.
@@ -503,9 +507,10 @@ def broadcast_parameters(
         items = [
             p if isinstance(p, tuple) else (f"param.{i}", p) for i, p in enumerate(params)
         ]
-    for name, t in items:
-        if is_tensor(t):
-            broadcast_(t, root_rank, name=f"broadcast_parameters.{name}")
+    handles = [broadcast_async_(t, root_rank, name=f"broadcast_parameters.{name}")
+               for name, t in items if is_tensor(t)]
+    for handle in handles:
+        synchronize(handle)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
@@ -529,9 +534,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     is_root = hipress.rank() == root_rank
     skeleton, leaves = split_leaves(get(), is_tensor, tensor_meta) if is_root else (None, [])
     skeleton = hipress.broadcast_object(skeleton, root=root_rank, name="optimizer_state")
-    received = []
+    handles = []  # all started before any is waited for: they share negotiation rounds
     for slot in leaf_slots(skeleton):
         t = leaves[slot.index].detach().cpu() if is_root else empty_from_meta(slot.meta)
-        received.append(broadcast(t, root_rank, name=f"optimizer_state.{slot.index}"))
+        handles.append(broadcast_async(t, root_rank, name=f"optimizer_state.{slot.index}"))
+    received = [synchronize(h) for h in handles]
     if not is_root:
         load(join_leaves(skeleton, lambda slot: received[slot.index]))

@@ -165,9 +165,15 @@ def broadcast_deferred():
                                name="bdef.check")
     for k, v in values.items():
         assert np.array_equal(v, root[k]), k
-    nd = mx.nd.full((2, 2), float(rank))
-    hp.broadcast_parameters({"x": nd}, root_rank=0)
-    assert np.array_equal(nd.asnumpy(), np.zeros((2, 2))), nd
+    from hipress import api
+
+    nds = {f"x{k}": mx.nd.full((2, k + 1), float(rank)) for k in range(7)}
+    rounds = api._ENGINE._round
+    hp.broadcast_parameters(nds, root_rank=0)
+    # all 7 start before any is waited for: they share rounds (not one each)
+    assert api._ENGINE._round - rounds <= 3, api._ENGINE._round - rounds
+    for k, nd in enumerate(nds.values()):
+        assert np.array_equal(nd.asnumpy(), np.zeros((2, k + 1))), nd
 
 
 @extra

@@ -296,9 +296,17 @@ def collectives():
     assert np.array_equal(bf.numpy().astype(np.float32), [1.5 * size, 2.0 * size]), bf
     vs = [tf.Variable(tf.fill([3], float(rank)), name="bv.a"),
           keras.Variable(np.full((2, 2), rank, np.float32), name="bv.b")]
+    vs += [tf.Variable(tf.fill([k + 1], float(rank)), name=f"bv.{k}") for k in range(5)]
+    from hipress import api
+
+    rounds = api._ENGINE._round
     hp.broadcast_variables(vs, root_rank=size - 1)
+    # eagerly all 7 start before any is waited for: they share rounds (not one each)
+    assert api._ENGINE._round - rounds <= 3, api._ENGINE._round - rounds
     assert np.array_equal(vs[0].numpy(), np.full(3, size - 1.0)), vs[0]
     assert np.array_equal(vs[1].numpy(), np.full((2, 2), size - 1.0)), vs[1]
+    for k, v in enumerate(vs[2:]):
+        assert np.array_equal(v.numpy(), np.full(k + 1, size - 1.0)), v
 
 
 @extra

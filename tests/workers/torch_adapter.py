@@ -381,7 +381,13 @@ def broadcast_state():
     root_params = hp.broadcast_object(
         {k: v.clone() for k, v in model.state_dict().items()} if rank == 1 else None, root_rank=1,
         name="bcast.check")
+    from hipress import api
+
+    rounds = api._ENGINE._round
     hp.broadcast_parameters(model.state_dict(), root_rank=1)
+    # all 7 tensors started before any is waited for: they share rounds (one at a time
+    # took a round each)
+    assert api._ENGINE._round - rounds <= 3, api._ENGINE._round - rounds
     for k, v in model.state_dict().items():
         assert torch.equal(v, root_params[k]), k
     root_state = hp.broadcast_object(opt.state_dict() if rank == 1 else None, root_rank=1,
