@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable, Deque, Generator, List, Optional, Set
@@ -28,6 +29,8 @@ from typing import Any, Callable, Deque, Generator, List, Optional, Set
 import numpy as np
 
 from hipress.errors import SyncError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -221,8 +224,12 @@ class Scheduler:
         tasks, self.tasks = list(self.tasks), set()
         for task in tasks:
             gen, task.gen = task.gen, None
-            if gen is not None:
+            if gen is None:
+                continue
+            try:
                 gen.close()
+            except Exception:  # noqa: BLE001 - the engine's own error is the one to report
+                logger.debug("task %s raised while closed", task.label, exc_info=True)
 
     def shutdown(self) -> None:
         """Stop the compute pool."""
