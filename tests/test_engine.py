@@ -29,6 +29,7 @@ CORE_CASES = [
     "negotiation_allgather_sizes",
     "allreduce_mismatch_fails_every_rank_and_engine_goes_on",
     "broadcast_mismatch_fails_every_rank",
+    "broadcast_pipelined_sizes_and_roots",
 ]
 
 

@@ -79,7 +79,7 @@ ENGINE_CASES = ["identity_exact", "order_by_name", "fp16_no_overflow", "partitio
                 "duplicate_inflight_name", "powersgd_compresses_matrices", "low_precision_dtypes",
                 "inplace_matches_new_array", "all_codecs_bit_identical",
                 "error_feedback_tracks_sum", "nonfinite_passes_through",
-                "direct_calls_exact_under_policy"]
+                "direct_calls_exact_under_policy", "broadcast_pipelined_sizes_and_roots"]
 _engine_jobs: dict = {}
 
 

@@ -1523,7 +1523,8 @@ class Engine:
             st["strategy"] = path
             if path == "broadcast":
                 tag = self._next_tag()
-                self._launch(T.broadcast_task(self.env, job, sub.root, tag), sub.name, tag)
+                self._launch(T.broadcast_task(self.env, job, sub.root, tag,
+                                              sub.metas[sub.root][8][0]), sub.name, tag)
             elif path in ("reduce", "allgather", "alltoall", "reducescatter"):
                 tag = self._next_tag()
                 if path == "reduce":
@@ -1789,10 +1790,12 @@ def _shape_meta(sub: _Submission) -> Optional[List[int]]:
 
     Allreduces (a result has the shape of its input, so ranks must agree on it, as
     Horovod checks) and allgather, alltoall and reducescatter (they work along dimension
-    0) carry it; broadcasts move bytes whose size only the root knows, so none.
+    0) carry it. A broadcast carries its byte count instead, ``[nbytes]``: only the
+    root's is used, to size every rank's receives (objects have a size only the root
+    knows).
     """
     if sub.kind == "broadcast":
-        return None
+        return [int(sub.array.size) * int(sub.array.dtype.itemsize)]
     return [int(d) for d in sub.array.shape]
 
 

@@ -823,20 +823,99 @@ def fused_chain_task(env: TaskEnv, buckets: Sequence[Sequence[Job]],
         yield from fused_task(env, bucket, tag)
 
 
-def broadcast_task(env: TaskEnv, job: Job, root: int, tag: int) -> Generator:
-    """Send root's bytes to every rank (sizes probed, so objects of any size work)."""
+#: broadcasts of at most this many bytes go from the root straight to every rank (one
+#: message step: latency, not the root's link, bounds them)
+BCAST_DIRECT_BYTES = 256 * 1024
+#: bytes per message of a larger broadcast's pipeline (see :func:`broadcast_task`)
+BCAST_SEGMENT_BYTES = 4 << 20
+#: at most this many segments per chunk: two tags each, within a task's tag range
+BCAST_MAX_SEGMENTS = 256
+
+
+def broadcast_task(env: TaskEnv, job: Job, root: int, tag: int, nbytes: int) -> Generator:
+    """Give every rank root's bytes (``nbytes`` of them, agreed in negotiation).
+
+    Up to :data:`BCAST_DIRECT_BYTES` (or at world size 2) the root sends the bytes to each
+    rank. Larger ones are split into one chunk per non-root rank: the root sends chunk i
+    to the i-th non-root only, and the non-roots allgather the chunks among themselves
+    (the scatter-allgather broadcast of Barnett et al., "Interprocessor collective
+    communication library (InterCom)", SHPCC 1994; Chan et al., "Collective
+    communication: theory, practice, and experience", 2007, without the root in the
+    allgather). Each chunk moves in segments of about :data:`BCAST_SEGMENT_BYTES`, and a
+    non-root forwards segment s while it receives segment s + 1, so the root sends the
+    bytes once instead of ``world size - 1`` times and every link carries about
+    ``nbytes``: about ``nbytes / bandwidth`` in all, against ``(N - 1) nbytes / bandwidth``
+    from the root alone.
+
+    Non-roots receive straight into the result (a uint8 array of ``nbytes``); the root's
+    result is its own bytes.
+
+    Raises:
+        PayloadError: on the root, its bytes are not the ``nbytes`` it announced (the
+            array changed size between submission and start).
+    """
     N, me = env.size, env.rank
+    raw = None
     if me == root:
         raw = np.ascontiguousarray(to_host(job.flat)).view(np.uint8).reshape(-1)
-        if N > 1:
-            yield from _comm(env, job, "all", "send", [Send(r, raw, tag, probe=True)
-                                                       for r in range(N)
-                                                       if r != root])
+        if raw.nbytes != nbytes:
+            raise PayloadError(f"broadcast {job.name!r}: the root holds {raw.nbytes} bytes "
+                               f"but announced {nbytes}; do not resize a tensor while "
+                               "its broadcast is in flight")
+    if N == 1:
         job.out = raw
+    elif N == 2 or nbytes <= BCAST_DIRECT_BYTES:
+        if me == root:
+            yield from _comm(env, job, "all", "send",
+                             [Send(r, raw, tag) for r in range(N) if r != root])
+            job.out = raw
+        else:
+            (job.out,) = yield from _comm(env, job, "all", "recv", [Recv(root, tag, nbytes)])
     else:
-        (got,) = yield from _comm(env, job, "all", "recv", [Recv(root, tag, None)])
-        job.out = got
+        yield from _broadcast_pipelined(env, job, root, tag, nbytes, raw)
     job.part_done()
+
+
+def _broadcast_pipelined(env: TaskEnv, job: Job, root: int, tag: int, nbytes: int,
+                         raw: Optional[np.ndarray]) -> Generator:
+    """:func:`broadcast_task`'s scatter-allgather in segments (world size >= 3).
+
+    Segment s of chunk i is bytes ``[lo, hi)`` of ``piece(i, s)``; the root sends it with
+    tag ``tag + 2 s``, the i-th non-root forwards it to the other non-roots with tag
+    ``tag + 2 s + 1``. Every chunk has the same number of segments, so step s of every
+    non-root posts the same messages.
+    """
+    N, me = env.size, env.rank
+    others = [r for r in range(N) if r != root]
+    chunks = _bounds(nbytes, N - 1)
+    longest = chunks[1] - chunks[0]
+    segs = max(1, min(BCAST_MAX_SEGMENTS, -(-longest // BCAST_SEGMENT_BYTES)))
+    cuts = [[chunks[i] + c for c in _bounds(chunks[i + 1] - chunks[i], segs)]
+            for i in range(N - 1)]
+
+    def piece(buf: np.ndarray, i: int, s: int) -> np.ndarray:
+        return buf[cuts[i][s]:cuts[i][s + 1]]
+
+    if me == root:
+        yield from _comm(env, job, "all", "send", [
+            Send(others[i], piece(raw, i, s), tag + 2 * s)
+            for s in range(segs) for i in range(N - 1)])
+        job.out = raw
+        return
+    i = others.index(me)
+    peers = [k for k in range(N - 1) if k != i]
+    out = np.empty(nbytes, dtype=np.uint8)
+    for s in range(segs + 1):
+        ops: List[Any] = []
+        if s < segs:  # segment s of this rank's chunk, from the root
+            seg = piece(out, i, s)
+            ops.append(Recv(root, tag + 2 * s, seg.nbytes, seg))
+        if s:  # segment s - 1 of every chunk, among the non-roots
+            ops += [Send(others[k], piece(out, i, s - 1), tag + 2 * s - 1) for k in peers]
+            ops += [Recv(others[k], tag + 2 * s - 1, piece(out, k, s - 1).nbytes,
+                         piece(out, k, s - 1)) for k in peers]
+        yield from _comm(env, job, "all", "recv", ops)
+    job.out = out
 
 
 # ------------------------------------------------------------------ other collectives

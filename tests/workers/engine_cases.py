@@ -1128,6 +1128,54 @@ def broadcast_mismatch_fails_every_rank():
 
 
 @case
+def broadcast_pipelined_sizes_and_roots():
+    """Broadcasts on both sides of the direct/pipelined switch, from every root, with
+    segments small enough for many per chunk: every rank gets the root's bytes, and the
+    root sends them once (each non-root forwards its chunk to the others) instead of once
+    per rank."""
+    from hipress.engine import tasks as T
+
+    r, n = hp.rank(), hp.size()
+    saved = T.BCAST_DIRECT_BYTES, T.BCAST_SEGMENT_BYTES
+    T.BCAST_DIRECT_BYTES, T.BCAST_SEGMENT_BYTES = 1000, 700
+    try:
+        sizes = [0, 1, 999, 1000, 1001, 1002, 4099, 77777]
+        for root in range(n):
+            handles = []
+            for size in sizes:
+                data = np.random.default_rng(size + 7 * root).integers(
+                    0, 256, size, dtype=np.uint8)
+                mine = data if r == root else np.zeros(size, np.uint8)
+                handles.append((size, data, hp.broadcast_async(mine, root, f"bp.{root}.{size}")))
+            for size, data, h in handles:
+                got = hp.synchronize(h)
+                assert got.dtype == np.uint8 and np.array_equal(got, data), (root, size)
+                sent = hp.stats().get(f"bp.{root}.{size}", {}).get("bytes_sent", 0)
+                if n == 1:
+                    want = 0
+                elif n == 2 or size <= T.BCAST_DIRECT_BYTES:
+                    want = (n - 1) * size if r == root else 0
+                elif r == root:
+                    want = size
+                else:  # its chunk to each of the other n - 2 non-roots
+                    i = [k for k in range(n) if k != root].index(r)
+                    q, rem = divmod(size, n - 1)
+                    want = (n - 2) * (q + (1 if i < rem else 0))
+                assert sent == want, (root, size, sent, want)
+        # a float tensor of several default-sized segments per chunk, and an object
+        T.BCAST_DIRECT_BYTES, T.BCAST_SEGMENT_BYTES = saved
+        big = np.arange(3_000_000, dtype=np.float32) * (1.0 if r == n - 1 else 0.0)
+        got = hp.broadcast(big, n - 1, "bp.big")
+        assert got.dtype == np.float32 and np.array_equal(
+            got, np.arange(3_000_000, dtype=np.float32)), got[:4]
+        obj = {"blob": bytes(range(256)) * 5000, "rank": r}
+        assert hp.broadcast_object(obj if r == 0 else None, 0, "bp.obj") == {
+            "blob": bytes(range(256)) * 5000, "rank": 0}
+    finally:
+        T.BCAST_DIRECT_BYTES, T.BCAST_SEGMENT_BYTES = saved
+
+
+@case
 def allreduce_mismatch_fails_every_rank_and_engine_goes_on():
     """Uncompressed allreduce: same element count but another shape, another dtype, and an
     integer average refused on one rank only: every rank's handle fails with a
