@@ -242,21 +242,30 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int = 0) -> None:
             Every rank must pass the same variables in the same order.
         root_rank: the rank whose values everyone gets.
 
-    Works eagerly and inside ``tf.function`` (each variable through one
-    ``tf.py_function`` broadcast followed by ``assign``). Eagerly, every broadcast is
-    started before the first is waited for, so they share negotiation rounds.
+    Works eagerly and inside ``tf.function`` (there one ``tf.py_function`` broadcasts
+    them all, then each variable is assigned). Every broadcast is started before the
+    first is waited for, so they share negotiation rounds.
     """
     variables = list(variables)
     names = [f"broadcast_variables.{n}"
              for n in unique_names([variable_name(v) for v in variables], "var")]
-    if not tf.executing_eagerly():
-        for v, n in zip(variables, names):
-            v.assign(broadcast(tf.convert_to_tensor(v), root_rank, name=n))
+    if not variables:
         return
     tensors = [tf.convert_to_tensor(v) for v in variables]
-    handles = [hipress.broadcast_async(to_array(t), root_rank, n)
-               for t, n in zip(tensors, names)]
-    for v, t, handle in zip(variables, tensors, handles):
-        v.assign(from_array(hipress.synchronize(handle), t.dtype))
+
+    def run(*ts: tf.Tensor) -> List[tf.Tensor]:
+        handles = [hipress.broadcast_async(to_array(t), root_rank, n)
+                   for t, n in zip(ts, names)]
+        return [from_array(hipress.synchronize(h), t.dtype) for t, h in zip(ts, handles)]
+
+    if tf.executing_eagerly():
+        values = run(*tensors)
+    else:
+        values = tf.py_function(run, tensors, Tout=[t.dtype for t in tensors],
+                                name="hipress_broadcast_variables")
+        for value, t in zip(values, tensors):
+            value.set_shape(t.shape)
+    for v, value in zip(variables, values):
+        v.assign(value)
 
 

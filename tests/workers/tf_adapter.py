@@ -307,6 +307,22 @@ def collectives():
     assert np.array_equal(vs[1].numpy(), np.full((2, 2), size - 1.0)), vs[1]
     for k, v in enumerate(vs[2:]):
         assert np.array_equal(v.numpy(), np.full(k + 1, size - 1.0)), v
+    # inside tf.function too: one py_function starts all 20 (one at a time took a round
+    # each; idle rounds also tick while the graph starts, hence the margin)
+    gs = [tf.Variable(tf.fill([k + 2], rank + 1.0), name=f"bg.{k}") for k in range(19)]
+    gs.append(tf.Variable(tf.fill([2, 3], rank + 1), name="bg.int"))
+
+    @tf.function
+    def graph_bcast():
+        hp.broadcast_variables(gs, root_rank=0)
+
+    graph_bcast.get_concrete_function()  # trace first: idle rounds tick while it traces
+    rounds = api._ENGINE._round
+    graph_bcast()
+    assert api._ENGINE._round - rounds <= 10, api._ENGINE._round - rounds
+    for k, v in enumerate(gs[:-1]):
+        assert np.array_equal(v.numpy(), np.full(k + 2, 1.0)), v
+    assert gs[-1].dtype == tf.int32 and np.array_equal(gs[-1].numpy(), np.ones((2, 3))), gs[-1]
 
 
 @extra
