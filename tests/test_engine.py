@@ -191,6 +191,20 @@ def test_powersgd_stage_error_drops_the_compensated_residual_on_every_rank(np_):
     assert proc.returncode != 0  # transfers in flight when the engines stopped: no finalize
 
 
+@pytest.mark.parametrize("np_", [2, 3])
+def test_root_error_at_a_broadcasts_start_fails_every_rank(np_):
+    """A task whose first step raises on one rank (inside the negotiation round) is told
+    to every rank: the root's PayloadError, PeerFailure naming rank 0 on the others."""
+    t0 = time.monotonic()
+    proc = run_mpi(np_, WORKER, ["broadcast_root_error_fails_every_rank"], timeout=60,
+                   env={"STALL": "60"})
+    assert time.monotonic() - t0 < 40
+    passed = [line for line in proc.stdout.splitlines()
+              if line.endswith("PASS broadcast_root_error_fails_every_rank")]
+    assert len(passed) == np_, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0  # receives posted when the engines stopped: no finalize
+
+
 def test_dead_rank_does_not_hang_the_others():
     t0 = time.monotonic()
     proc = run_mpi(3, WORKER, ["dead_rank"], timeout=60)

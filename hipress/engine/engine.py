@@ -470,10 +470,13 @@ class Engine:
             handle = Handle(name)
             handle._finish(np.ascontiguousarray(to_host(array)).view(np.uint8).reshape(-1))
             return handle
+        # bytes of any dtype travel (complex, big-endian): the wire code is only
+        # descriptive here, 0 for a dtype a payload cannot name
         sub = _Submission(name=name, array=array, average=False, op="sum", codec=None,
                           codec_key="bcast",
                           strategy="bcast", contributes=True, handle=Handle(name),
-                          kind="broadcast", root=root, seq=0, partitions=None, inplace=False)
+                          kind="broadcast", root=root, seq=0, partitions=None, inplace=False,
+                          dtype_ok=np.dtype(array.dtype) in DTYPE_CODES)
         if check:
             sub.extra = {"shape": [int(d) for d in array.shape], "dtype": str(array.dtype)}
         self._enqueue(sub)
@@ -1489,7 +1492,17 @@ class Engine:
         cannot deadlock: a task waits only for tasks started before it, on every rank.
         """
         self._held.append((tag >> _SUB_BITS, gen, label))
-        self._start_held()
+        try:
+            self._start_held()
+        except Exception as exc:  # noqa: BLE001 - told to every rank, then raised
+            # a task's first step runs here, inside the negotiation round, on this rank's
+            # data: an error in it is this rank's alone (raised out of the round, the
+            # others would wait for its messages forever), so it goes to every rank as a
+            # failure in poll() does
+            if self._local_error is None:
+                self._local_error = exc
+            self._wake.set()
+            self._poke.set()
 
     def _start_held(self) -> None:
         """Start waiting task graphs, in order, while their task ids are free."""
@@ -1903,6 +1916,8 @@ def _submission_mismatch(name: str, metas: List[list]) -> Optional[str]:
     for r in [0] + bad:
         d = dict(zip(_META_KEYS[:9], metas[r]))
         d["dtype"] = str(CODE_DTYPES.get(d["dtype"], d["dtype"]))
+        if d["kind"] == "broadcast":  # a broadcast carries its byte count, not a shape
+            d["nbytes"] = d.pop("shape")[0]
         desc[r] = d
     return (f"ranks disagree about {first[4]} {name!r}: {desc}. Every rank must submit the "
             "same shape, dtype, op, compression and strategy for a name (and use the same "

@@ -1122,6 +1122,14 @@ def broadcast_mismatch_fails_every_rank():
             assert f"broadcast {name!r}" in str(exc) and want in str(exc), str(exc)
         else:
             raise AssertionError(f"{name}: a mismatched broadcast ran: {out}")
+    try:  # roots differ: the description names the byte count as such, not as a shape
+        out = hp.broadcast(np.zeros(4, np.float32), r % 2, "bm.root")
+    except CollectiveArgumentError as exc:
+        msg = str(exc)
+        assert "'root': 0" in msg and "'root': 1" in msg and "'nbytes': 16" in msg, msg
+        assert "'shape'" not in msg, msg
+    else:
+        raise AssertionError(f"bm.root: broadcasts with different roots ran: {out}")
     assert hp.broadcast_object({"rank": r} if r == 1 else None, 1, "bm.obj") == {"rank": 1}
     got = hp.broadcast(np.full(3, float(r), np.float32), n - 1, "bm.ok")
     assert np.array_equal(got, np.full(3, n - 1.0, np.float32)), got
@@ -1168,11 +1176,44 @@ def broadcast_pipelined_sizes_and_roots():
         got = hp.broadcast(big, n - 1, "bp.big")
         assert got.dtype == np.float32 and np.array_equal(
             got, np.arange(3_000_000, dtype=np.float32)), got[:4]
+        for dt in (np.complex64, np.dtype(">f4")):  # bytes of any dtype travel
+            want = (np.arange(70_000) * (1 + 2j if np.dtype(dt).kind == "c" else 1)).astype(dt)
+            got = hp.broadcast((want * (r == 0)).astype(dt), 0, f"bp.{np.dtype(dt).str}")
+            assert got.dtype == np.dtype(dt) and np.array_equal(got, want), (dt, got[:3])
         obj = {"blob": bytes(range(256)) * 5000, "rank": r}
         assert hp.broadcast_object(obj if r == 0 else None, 0, "bp.obj") == {
             "blob": bytes(range(256)) * 5000, "rank": 0}
     finally:
         T.BCAST_DIRECT_BYTES, T.BCAST_SEGMENT_BYTES = saved
+
+
+@case
+def broadcast_root_error_fails_every_rank():
+    """The root's array shrinks after its broadcast was announced: the root's task fails
+    at its first step, inside a negotiation round. The root raises that PayloadError and
+    every other rank a PeerFailure naming rank 0, within seconds (they used to wait for
+    the root's bytes forever)."""
+    from hipress.errors import PayloadError, PeerFailure
+
+    r = hp.rank()
+    a = np.ones(1_000_000, np.uint8)
+    if r == 0:
+        h = hp.broadcast_async(a, 0, "rooterr")
+        time.sleep(0.5)  # the round has announced 1,000,000 bytes
+        a.resize(500_000, refcheck=False)
+    else:
+        time.sleep(2)  # the others submit later: the task starts after the resize
+        h = hp.broadcast_async(np.zeros(1_000_000, np.uint8), 0, "rooterr")
+    t0 = time.monotonic()
+    try:
+        hp.synchronize(h)
+    except PayloadError as exc:
+        assert r == 0 and "announced 1000000" in str(exc), repr(exc)
+    except PeerFailure as exc:
+        assert r != 0 and "rank 0 failed" in str(exc) and "PayloadError" in str(exc), repr(exc)
+    else:
+        raise AssertionError("the root's failure went unnoticed")
+    assert time.monotonic() - t0 < 10, time.monotonic() - t0
 
 
 @case
@@ -1327,6 +1368,7 @@ def main():
         CASES[name]()
         print(f"rank {_rank} PASS {name}", flush=True)
     if hp.is_initialized() and not {"stall_names_missing_rank", "failure_on_one_rank_fails_all",
+                                    "broadcast_root_error_fails_every_rank",
                                     "peer_payload_wrong_size",
                                     "shape_mismatch_same_numel"} & set(sys.argv):
         hp.shutdown()
