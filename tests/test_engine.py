@@ -167,42 +167,36 @@ def test_stall_fails_every_rank_naming_gradient_and_ranks():
         assert "'grad/a_1' not submitted by rank(s) [0]" in line
 
 
-def test_failure_on_one_rank_fails_every_rank_quickly():
+def run_failing_case(np_, case):
+    """Run ``case`` (every rank catches the error it expects) under mpirun.
+
+    Asserts that every rank passes, that the job ends in under 40 s (a stall would take
+    60), and that it exits non-zero: transfers were in flight when the engines stopped,
+    so MPI is not finalized, and the job is reported as failed although every rank
+    caught its error.
+    """
     t0 = time.monotonic()
-    proc = run_mpi(3, WORKER, ["failure_on_one_rank_fails_all"], timeout=60, env={"STALL": "60"})
+    proc = run_mpi(np_, WORKER, [case], timeout=60, env={"STALL": "60"})
     assert time.monotonic() - t0 < 40
-    passed = [line for line in proc.stdout.splitlines()
-              if line.endswith("PASS failure_on_one_rank_fails_all")]
-    assert len(passed) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # transfers were in flight when the engine failed, so MPI is not finalized: the job
-    # is reported as failed even though every rank caught the error
+    passed = [line for line in proc.stdout.splitlines() if line.endswith(f"PASS {case}")]
+    assert len(passed) == np_, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode != 0
+
+
+def test_failure_on_one_rank_fails_every_rank_quickly():
+    run_failing_case(3, "failure_on_one_rank_fails_all")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_powersgd_stage_error_drops_the_compensated_residual_on_every_rank(np_):
-    t0 = time.monotonic()
-    proc = run_mpi(np_, WORKER, ["powersgd_stage_error_drops_residual"], timeout=60,
-                   env={"STALL": "60"})
-    assert time.monotonic() - t0 < 40
-    passed = [line for line in proc.stdout.splitlines()
-              if line.endswith("PASS powersgd_stage_error_drops_residual")]
-    assert len(passed) == np_, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode != 0  # transfers in flight when the engines stopped: no finalize
+    run_failing_case(np_, "powersgd_stage_error_drops_residual")
 
 
 @pytest.mark.parametrize("np_", [2, 3])
 def test_root_error_at_a_broadcasts_start_fails_every_rank(np_):
     """A task whose first step raises on one rank (inside the negotiation round) is told
     to every rank: the root's PayloadError, PeerFailure naming rank 0 on the others."""
-    t0 = time.monotonic()
-    proc = run_mpi(np_, WORKER, ["broadcast_root_error_fails_every_rank"], timeout=60,
-                   env={"STALL": "60"})
-    assert time.monotonic() - t0 < 40
-    passed = [line for line in proc.stdout.splitlines()
-              if line.endswith("PASS broadcast_root_error_fails_every_rank")]
-    assert len(passed) == np_, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.returncode != 0  # receives posted when the engines stopped: no finalize
+    run_failing_case(np_, "broadcast_root_error_fails_every_rank")
 
 
 def test_dead_rank_does_not_hang_the_others():
