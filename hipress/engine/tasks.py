@@ -880,10 +880,10 @@ def _broadcast_pipelined(env: TaskEnv, job: Job, root: int, tag: int, nbytes: in
                          raw: Optional[np.ndarray]) -> Generator:
     """:func:`broadcast_task`'s scatter-allgather in segments (world size >= 3).
 
-    Segment s of chunk i is bytes ``[lo, hi)`` of ``piece(i, s)``; the root sends it with
-    tag ``tag + 2 s``, the i-th non-root forwards it to the other non-roots with tag
-    ``tag + 2 s + 1``. Every chunk has the same number of segments, so step s of every
-    non-root posts the same messages.
+    ``piece(buf, i, s)`` is segment s of chunk i (the i-th non-root's chunk) in ``buf``;
+    the root sends it with tag ``tag + 2 s``, the i-th non-root forwards it to the other
+    non-roots with tag ``tag + 2 s + 1``. Every chunk has the same number of segments, so
+    step s of every non-root posts the same messages.
     """
     N, me = env.size, env.rank
     others = [r for r in range(N) if r != root]
@@ -912,8 +912,9 @@ def _broadcast_pipelined(env: TaskEnv, job: Job, root: int, tag: int, nbytes: in
             ops.append(Recv(root, tag + 2 * s, seg.nbytes, seg))
         if s:  # segment s - 1 of every chunk, among the non-roots
             ops += [Send(others[k], piece(out, i, s - 1), tag + 2 * s - 1) for k in peers]
-            ops += [Recv(others[k], tag + 2 * s - 1, piece(out, k, s - 1).nbytes,
-                         piece(out, k, s - 1)) for k in peers]
+            for k in peers:
+                seg = piece(out, k, s - 1)
+                ops.append(Recv(others[k], tag + 2 * s - 1, seg.nbytes, seg))
         yield from _comm(env, job, "all", "recv", ops)
     job.out = out
 
