@@ -14,8 +14,10 @@ and codec:
    with a timeline,
    and ``auto`` (``sync.plan: auto``: the job profiles at init, observes its first steps
    and plans from them itself, :mod:`hipress.secopa.runtime`; its ``--warmup`` grows by
-   the steps before its plan takes effect, and rank 0 saves the plan it made, which the
-   predictions for its row use);
+   the steps before its plan takes effect and those that time it against the fixed
+   policy (``sync.plan_verify_steps``), and rank 0 saves the plan it kept, which the
+   predictions for its row use; a job that dropped its plan, or made none, is predicted
+   with the fixed policy's choices, basis ``dropped``);
 5. with ``--repeats R``, R - 1 more rounds of all five policies, interleaved, so that a
    drift of the machine's speed hits every policy alike; the step of ``plan`` and of
    ``auto`` over the best fixed policy's step of the same round, per round and their
@@ -277,8 +279,11 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
             env = dict(env, HIPRESS_CONFIG=str(cfg))
             from hipress.config import SyncConfig
 
-            # before its plan: the first compressed step and the observed ones
-            warmup += 1 + SyncConfig().plan_observe_steps
+            # before its plan: the first compressed step and the observed ones; then the
+            # step that settles the plan and the ones that time it (a plan slower than
+            # the fixed policy is dropped after them, sync.plan_verify_steps)
+            sync = SyncConfig()
+            warmup += 1 + sync.plan_observe_steps + 1 + sync.plan_verify_steps
             job.update(warmup=warmup, plan_path=saved)
         if args.analyse_only:
             step = worker_step_s(prefix, args.hosts)
@@ -343,14 +348,16 @@ def run_all(args: argparse.Namespace, runner: Runner, out: Path, tag: str) -> in
         row: Dict[str, Any] = {"policy": policy, "rc": max(j["rc"] for j in runs),
                                "runs": len(runs), "step_s": None,
                                "step_s_runs": [j["step_s"] for j in runs]}
-        if policy == "auto":  # each job's own plan (rank 0 saved it)
-            ok = [j for j in ok if j["plan_path"].exists()]
+        if policy == "auto":  # each job's own plan (rank 0 saved it once kept)
             for j in ok:
-                j["plan"] = Plan.load(j["plan_path"])
-                j["choices"] = j["plan"].decisions()
+                if j["plan_path"].exists():
+                    j["plan"] = Plan.load(j["plan_path"])
+                    j["choices"], j["basis"] = j["plan"].decisions(), j["plan"].basis
+                else:  # dropped after its timed steps (or not made): the fixed policy
+                    j["choices"], j["basis"] = choices["threshold"], "dropped"
             if ok:
                 choices["auto"] = ok[0]["choices"]
-                row["auto_plans"] = [{"basis": j["plan"].basis,
+                row["auto_plans"] = [{"basis": j["basis"],
                                       "compressed": sum(c.compress for c in j["choices"].values())}
                                      for j in ok]
         if ok:

@@ -360,8 +360,19 @@ class SyncConfig(BaseModel):
             backward pass and the codec costs measured under training load
             (:mod:`hipress.secopa.runtime`). 0 plans each gradient on arrival from the
             init-time profile alone (a sum of per-gradient costs, no overlap).
+        plan_verify_steps: with ``plan: auto``, the training steps the job times under
+            its plan (after one step that settles it) before keeping it: when their
+            median, on the slowest rank, is more than the plan's ``min_gain`` (3 %)
+            slower than the observed steps' under the fixed policy, every rank goes back
+            to the fixed policy for good. The cost model ranks options from a profile;
+            this check catches where it misprices the job (on 2 cores shared by 4
+            ranks its PowerSGD plans stepped 1.21-1.26x the fixed policy,
+            bench/README.md). 0 follows the plan unchecked. Plans that are the fixed
+            policy (``basis: threshold``) are not timed.
         plan_save: with ``plan: auto``, a path where rank 0 writes the plan it made (a
-            plan file for ``plan: <path>`` in later jobs: they skip the observation).
+            plan file for ``plan: <path>`` in later jobs: they skip the observation);
+            a plan being timed (``plan_verify_steps``) is written once kept, a plan
+            that lost to the fixed policy is not written.
     """
 
     model_config = _STRICT
@@ -378,6 +389,7 @@ class SyncConfig(BaseModel):
     blas_threads: int = Field(1, ge=0)
     plan: str = Field("none", min_length=1)
     plan_observe_steps: int = Field(3, ge=0)
+    plan_verify_steps: int = Field(3, ge=0)
     plan_save: Optional[str] = None
 
     @model_validator(mode="before")

@@ -115,6 +115,14 @@ def test_secopa_plan_auto_carries_residuals_to_the_plans_partitions(np_):
             and "re-split (524288 elements)" in said[0]), said[0]
 
 
+def test_secopa_plan_auto_drops_a_plan_slower_than_the_fixed_policy():
+    proc = run_cases(2, ["plan_auto_drops_a_slower_plan"])
+    said = [ln for ln in proc.stderr.splitlines() if "SeCoPa dropped its plan" in ln]
+    assert len(said) == 1, proc.stderr[-3000:]  # rank 0, once
+    assert "steps 3-4 under it took" in said[0] and "fixed policy from the next step" in said[0]
+    # the residual's keys back in one partition: asserted per step in the case
+
+
 def test_secopa_plan_gather_entry_keeps_the_engines_partitions():
     run_cases(2, ["plan_gather_keeps_the_engines_partitions"])
 

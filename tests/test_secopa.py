@@ -1263,9 +1263,10 @@ class _FakeEngine:
         return types.SimpleNamespace(wait=lambda: array.copy())
 
 
-def _observing_follower(observe_steps):
+def _observing_follower(observe_steps, **sync):
     cfg = config_from_dict({"compression": {"algorithm": "onebit"},
-                            "sync": {"plan": "auto", "plan_observe_steps": observe_steps}})
+                            "sync": {"plan": "auto", "plan_observe_steps": observe_steps,
+                                     **sync}})
     f = PlanFollower(cfg, types.SimpleNamespace(rank=0, size=2, mpi=None))
     prof = make_profile(2)
     f.profile, f._main_codec, f._ready = prof, get_codec("onebit"), True
@@ -1308,6 +1309,101 @@ def test_plan_follower_auto_plans_the_observed_steps_and_follows_the_plan(caplog
     eng.step_count = 10
     f.step_done(eng)  # plans once
     assert len(eng.sent) == 2
+
+
+_VERIFY_SHAPES = {"fc": (1024, 1024), "conv": (64, 64, 3, 3), "bias": (64,)}
+
+
+def _run_timed_steps(f, eng, monkeypatch, durations):
+    """Drive f.step_done once per step of ``durations`` (seconds, on a fake clock), each
+    step submitting _VERIFY_SHAPES' gradients into the timeline as a backward pass would."""
+    from hipress.secopa import runtime
+
+    if not hasattr(eng, "now"):
+        eng.now = 0.0
+        monkeypatch.setattr(runtime, "_clock", lambda: eng.now)
+    onebit = get_codec("onebit")
+    arrays = {n: np.zeros(s, np.float32) for n, s in _VERIFY_SHAPES.items()}
+    for step, took in enumerate(durations, start=eng.step_count):
+        eng.now += took
+        for i, (n, a) in enumerate(arrays.items()):
+            f.decide(n, a, onebit, None)
+            t = eng.timeline.now_us() + 2000 * i
+            eng.timeline.add("submit", t, 0, gradient=n, numel=a.size, step=step)
+            eng.timeline.add("done", t + 30000, 0, gradient=n, step=step)
+        eng.step_count = step + 1
+        f.step_done(eng)
+
+
+def _searched_plan(monkeypatch, basis="search"):
+    """Make the run-time planner's plans say ``basis`` (the fake profile's may not)."""
+    from hipress.secopa import runtime
+
+    real = runtime.plan
+
+    def planned(*a, **kw):
+        return real(*a, **kw).model_copy(update={"basis": basis})
+
+    monkeypatch.setattr(runtime, "plan", planned)
+
+
+@pytest.mark.parametrize("plan_step, kept", [(1.25, False), (1.02, True), (0.8, True)])
+def test_plan_follower_auto_times_its_plan_and_drops_one_slower_than_the_fixed_policy(
+        monkeypatch, tmp_path, caplog, plan_step, kept):
+    save = tmp_path / "plan.json"
+    f = _observing_follower(2, plan_save=str(save))
+    eng = _FakeEngine()
+    _searched_plan(monkeypatch)
+    # step 0 left out; steps 1-2 observed (1.0 s and 1.1 s: median 1.05); planned at the
+    # end of step 2; step 3 settles the plan; steps 4-6 timed under it (median plan_step)
+    steps = [0.5, 1.0, 1.1, 3.0, plan_step, plan_step * 0.9, plan_step * 1.1]
+    with caplog.at_level("INFO", logger="hipress.secopa.runtime"):
+        _run_timed_steps(f, eng, monkeypatch, steps[:3])
+        assert f.plan is not None and f.verified is None
+        assert not save.exists()  # written once kept
+        planned = f.plan
+        _run_timed_steps(f, eng, monkeypatch, steps[3:])
+    assert [s[0] for s in eng.sent] == ["__secopa.arrivals", "__secopa.plan", "__secopa.verify"]
+    assert eng.sent[-1][1:] == ("max", (5,))  # 2 observed steps, 3 timed
+    assert f.verified == pytest.approx({"fixed_step_s": 1.05, "plan_step_s": plan_step,
+                                        "steps": 3.0, "kept": float(kept)})
+    said = [r.getMessage() for r in caplog.records if "SeCoPa" in r.getMessage()
+            and ("kept" in r.getMessage() or "dropped" in r.getMessage())]
+    assert len(said) == 1, said
+    assert f"steps 4-6 under it took {plan_step:.3f} s" in said[0], said[0]
+    assert f"{plan_step / 1.05:.2f}x" in said[0], said[0]
+    onebit = get_codec("onebit")
+    arrays = {n: np.zeros(s, np.float32) for n, s in _VERIFY_SHAPES.items()}
+    if kept:
+        assert f.plan is planned and not f.reverted
+        assert save.read_text().strip() == planned.to_json().strip()
+        for n, a in arrays.items():
+            e = planned.entry(n)
+            want = (True, e.partitions, e.strategy) if e.compress else (False, 1, "auto")
+            assert f.decide(n, a, onebit, None) == want, n
+    else:
+        assert f.plan is None and f.reverted and not save.exists()
+        assert "SeCoPa dropped its plan" in said[0] and "not written" in said[0], said[0]
+        for n, a in arrays.items():  # the fixed policy: >= 64 KiB compressed, 4 MiB parts
+            assert f.decide(n, a, onebit, None) == ((True, 1, "auto") if a.nbytes >= 65536
+                                                    else (False, 1, "auto")), n
+    _run_timed_steps(f, eng, monkeypatch, [1.0, 1.0])  # checked once
+    assert len(eng.sent) == 3
+
+
+@pytest.mark.parametrize("basis, verify", [("threshold", 3), ("search", 0)])
+def test_plan_follower_auto_does_not_time_the_fixed_policy_or_when_told_not_to(
+        monkeypatch, tmp_path, basis, verify):
+    save = tmp_path / "plan.json"
+    f = _observing_follower(2, plan_save=str(save), plan_verify_steps=verify)
+    eng = _FakeEngine()
+    _searched_plan(monkeypatch, basis)
+    _run_timed_steps(f, eng, monkeypatch, [0.5, 1.0, 1.0])
+    assert f.plan is not None and f.plan.basis == basis
+    assert save.read_text().strip() == f.plan.to_json().strip()  # written at once
+    _run_timed_steps(f, eng, monkeypatch, [5.0] * 6)  # far slower: not timed, kept
+    assert f.plan is not None and f.verified is None and not f.reverted
+    assert [s[0] for s in eng.sent] == ["__secopa.arrivals", "__secopa.plan"]
 
 
 def test_plan_follower_auto_says_why_it_cannot_plan_and_decides_each_gradient(caplog):

@@ -27,9 +27,23 @@ submitted: compress it or not, into how many partitions, on which path.
      the job's codec (``compression.algorithm``) against those arrivals with the
      pipeline simulation (:func:`~hipress.secopa.planner.plan`, keeping the best fixed
      policy unless the search gains ``min_gain`` of the iteration);
-  3. rank 0 broadcasts the plan, every rank follows it from the next step on (and rank 0
-     writes it to ``sync.plan_save`` when set); where it changes a gradient's partitions,
-     the engine re-splits that gradient's error-feedback residuals at its next job.
+  3. rank 0 broadcasts the plan, every rank follows it from the next step on; where it
+     changes a gradient's partitions, the engine re-splits that gradient's error-feedback
+     residuals at its next job;
+  4. with ``sync.plan_verify_steps`` V > 0 (default 3) and a plan that is not the fixed
+     policy (``Plan.basis`` other than ``threshold``), the job times V steps under the
+     plan after one that settles it. Each step is the time between two
+     :meth:`PlanFollower.step_done` calls, maxed over the ranks by an allreduce, so
+     every rank decides alike: the plan is kept unless the median of its V steps exceeds
+     the median of the W observed fixed-policy steps by more than the plan's
+     ``min_gain``; else every rank follows the fixed policy from the next step on, for
+     good (:attr:`PlanFollower.verified` holds both medians). The model is fitted from
+     a profile and the job's own steps, but it can still misprice what a plan changes:
+     on 2 cores shared by 4 ranks its PowerSGD plans sent most gradients uncompressed
+     and stepped 1.21-1.26x the fixed policy (bench/README.md), because the kernel's TCP
+     work on the shared cores was underpriced. The check bounds what such a plan costs
+     to V + 1 steps. Rank 0 writes a kept plan to ``sync.plan_save`` when set (at once
+     when no check runs); a plan that lost is not written.
 
   Steps are counted by :meth:`PlanFollower.step_done` calls since ``init``, alike on
   every rank. A rank that calls ``join()`` during the observed steps makes the planning
@@ -52,6 +66,8 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -71,6 +87,8 @@ _UNPLANNED_SHOWN = 3
 
 #: measurement budget (seconds) of the profile made for ``sync.plan: auto``
 AUTO_PROFILE_S = 5.0
+#: the clock that times steps for ``sync.plan_verify_steps`` (tests replace it)
+_clock = time.monotonic
 
 
 class PlanFollower:
@@ -110,6 +128,18 @@ class PlanFollower:
         self.observe_from = int(cfg.compression.warmup_steps) + 1
         #: ``auto``: the observation is over (planned, or planning failed)
         self.observed = self.observe_steps == 0
+        #: steps timed under a run-time plan before it is kept (0: not checked)
+        self.verify_steps = int(cfg.sync.plan_verify_steps)
+        #: step_done call at whose end the timed plan steps start (None: no check pending)
+        self._verify_from: Optional[int] = None
+        #: step_done times (``_clock``) of the observed steps, then of the timed plan steps
+        self._marks: List[float] = []
+        self._plan_marks: List[float] = []
+        #: after the check: ``fixed_step_s``, ``plan_step_s`` (medians over the steps,
+        #: slowest rank), ``steps`` timed and ``kept`` (1.0 or 0.0)
+        self.verified: Optional[Dict[str, float]] = None
+        #: the check found the plan slower: the fixed policy decides from then on
+        self.reverted = False
         #: name -> shape of the gradients of the job's codec seen before planning
         self._seen: Dict[str, Tuple[int, ...]] = {}
         #: step_done calls so far: every rank makes as many (its step count may differ,
@@ -267,6 +297,8 @@ class PlanFollower:
                            "them; not naming further ones", name, self.path)
             return self._fixed(numel, array, strategy)
         if self.mode == "auto" and self._model is not None:
+            if self.reverted:  # the plan lost to the fixed policy in this job's own steps
+                return self._fixed(numel, array, strategy)
             shape = tuple(int(d) for d in getattr(array, "shape", (numel,)))
             ckey = codec_key(codec.name, codec.params())
             is_main = ckey == self._main_key
@@ -310,16 +342,30 @@ class PlanFollower:
         plan_observe_steps`` it plans (module docstring): an allreduce and a broadcast
         through ``engine``, which every rank reaches at the same call.
 
+        With ``sync.plan_verify_steps`` V > 0 it then times the plan: the call after the
+        planning one starts V timed steps, and the call that ends them compares them with
+        the observed steps (an allreduce through ``engine``, module docstring, step 4).
+
         Raises:
             ConfigError: a rank had called ``join()`` (its data ran out) during the
-                observed steps: the ranks cannot plan together.
+                observed or timed steps: the ranks cannot plan together.
             HiPressError: the engine's collectives failed (a peer failed, ...). Planning
                 errors are not raised: rank 0 logs them and every rank goes on deciding
                 gradient by gradient.
         """
-        if self.mode != "auto" or self.observed:
+        if self.mode != "auto" or (self.observed and self._verify_from is None):
             return
+        now = _clock()
         self._steps += 1
+        if self._verify_from is not None:
+            if self._steps >= self._verify_from:
+                self._plan_marks.append(now)
+            if self._steps == self._verify_from + self.verify_steps:
+                self._verify_from = None
+                self._check_plan(engine)
+            return
+        if self._steps >= self.observe_from:
+            self._marks.append(now)
         if self._steps == self.observe_from:
             self._events_from = len(engine.timeline.events())
             self._first_step = int(engine.step_count)  # this rank's number of the next step
@@ -329,6 +375,67 @@ class PlanFollower:
             events = engine.timeline.events()[self._events_from:]
             engine.timeline.record_in_memory(False)
             self._plan_observed(engine, events)
+            if (self.plan is not None and self.verify_steps > 0
+                    and self.plan.basis != "threshold"):
+                # this call's step ran under the fixed policy; the next one re-splits
+                # residuals and compiles for new partitions: timed from its end
+                self._verify_from = self._steps + 1
+            else:
+                self._save_plan()
+
+    def _check_plan(self, engine: Any) -> None:
+        """Keep the plan or go back to the fixed policy, alike on every rank."""
+        assert self.plan is not None
+        fixed = np.diff(np.asarray(self._marks, dtype=np.float64))
+        timed = np.diff(np.asarray(self._plan_marks, dtype=np.float64))
+        try:
+            got = engine.submit(np.concatenate([fixed, timed]), "__secopa.verify",
+                                op="max").wait()
+        except CollectiveArgumentError as exc:
+            raise ConfigError(
+                f"sync.plan: auto times its plan with every rank over "
+                f"sync.plan_verify_steps={self.verify_steps} steps, but {exc}. Give every "
+                "rank data for those steps too, lower sync.plan_verify_steps, or plan from "
+                "a file") from exc
+        both = np.asarray(got, dtype=np.float64)
+        fixed_s = float(statistics.median(both[:fixed.size]))
+        plan_s = float(statistics.median(both[fixed.size:]))
+        kept = plan_s <= fixed_s * (1.0 + self.plan.min_gain)
+        self.verified = {"fixed_step_s": fixed_s, "plan_step_s": plan_s,
+                         "steps": float(timed.size), "kept": 1.0 if kept else 0.0}
+        last = int(engine.step_count) - 1  # this rank's number of the step just ended
+        first = last - self.verify_steps + 1
+        if kept:
+            if self.rank == 0:
+                logger.info("SeCoPa kept its plan: steps %d-%d under it took %.3f s (median, "
+                            "slowest rank), the observed fixed-policy steps %.3f s (%.2fx)",
+                            first, last, plan_s, fixed_s, plan_s / fixed_s)
+            self._save_plan()
+            return
+        self.reverted = True
+        self._cache.clear()
+        if self.rank == 0:
+            logger.warning(
+                "SeCoPa dropped its plan: steps %d-%d under it took %.3f s (median, slowest "
+                "rank) against %.3f s for the observed fixed-policy steps, %.2fx, more than "
+                "its min_gain of %.0f %% allows; every rank follows the fixed policy from the "
+                "next step on%s. The cost model mispriced this job (its profile or the "
+                "shared cores); sync.plan: none skips the observation next time", first,
+                last, plan_s, fixed_s, plan_s / fixed_s, 100 * self.plan.min_gain,
+                f" (the plan is not written to {self.cfg.sync.plan_save})"
+                if self.cfg.sync.plan_save else "")
+        self.plan = None
+
+    def _save_plan(self) -> None:
+        """Rank 0 writes the plan to ``sync.plan_save``, when set."""
+        path = self.cfg.sync.plan_save
+        if self.rank != 0 or not path or self.plan is None:
+            return
+        try:
+            self.plan.save(path)
+            logger.info("SeCoPa: wrote the plan to %s (sync.plan: %s reuses it)", path, path)
+        except OSError as exc:
+            logger.warning("SeCoPa could not write the plan to %s: %s", path, exc.strerror)
 
     def _plan_observed(self, engine: Any, events: List[Dict[str, Any]]) -> None:
         """Combine the ranks' arrivals, plan on rank 0 and broadcast the plan."""
@@ -400,14 +507,6 @@ class PlanFollower:
                     "ready %.1f ms, exposed %.1f ms):\n%s", len(names), steps[0], steps[-1],
                     how, steps[mid], len(measured), m["backward_s"] * 1e3,
                     m["exposed_s"] * 1e3, summary_table(p))
-        if sync.plan_save:
-            try:
-                p.save(sync.plan_save)
-                logger.info("SeCoPa: wrote the plan to %s (sync.plan: %s reuses it)",
-                            sync.plan_save, sync.plan_save)
-            except OSError as exc:
-                logger.warning("SeCoPa could not write the plan to %s: %s", sync.plan_save,
-                               exc.strerror)
         return p.to_json()
 
     def _fixed(self, numel: int, array: Any, strategy: str) -> Decision:

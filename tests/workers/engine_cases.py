@@ -464,7 +464,8 @@ def plan_auto_observes_then_plans():
     hp.shutdown()
     save = os.environ["PLAN_SAVE"]
     hp.init({"compression": {"algorithm": "onebit"},
-             "sync": {"plan": "auto", "plan_observe_steps": 2, "plan_save": save},
+             "sync": {"plan": "auto", "plan_observe_steps": 2, "plan_save": save,
+                      "plan_verify_steps": 0},
              "logging": {"level": "INFO"}})
     from hipress.api import _engine
 
@@ -537,6 +538,59 @@ def plan_auto_regroups_residuals():
 
 
 @case
+def plan_auto_drops_a_slower_plan():
+    """A run-time plan (obs.fc in 3 PS partitions, the fixed policy's 1) whose timed steps
+    rank 1's clock makes 5 s longer than its observed fixed-policy step: every rank drops
+    the plan after the same step, goes back to the fixed policy (its residual re-split to
+    one partition again) and every result stays bit-identical."""
+    hp.shutdown()
+    from hipress.api import _engine
+    from hipress.memory import ResidualMemory
+    from hipress.secopa import runtime
+
+    real_plan, real_clock = _forced_plan(3), runtime._clock
+    slow = [0.0]
+
+    def clock():
+        eng = _engine()
+        if eng.rank == 1 and eng._plan.plan is not None:  # a step under the plan: 5 s more
+            slow[0] += 5.0
+        return real_clock() + slow[0]
+
+    runtime._clock = clock
+    try:
+        hp.init({"compression": {"algorithm": "onebit"},
+                 "sync": {"plan": "auto", "plan_observe_steps": 1, "plan_verify_steps": 2},
+                 "logging": {"level": "INFO"}})
+        eng = _engine()
+        follower = eng._plan
+        rng = np.random.default_rng(hp.rank())
+        shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3)}
+        for step in range(7):
+            hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n,
+                                        codec="auto") for n, s in shapes.items()}
+            for name, h in hs.items():
+                same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
+            mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
+            fc = sorted(k for k in mem.keys() if k.startswith("obs.fc#p") and "@" not in k)
+            # step 0 left out, step 1 observed, the plan followed in steps 2-4 (2 settles
+            # it, 3-4 timed), dropped at the end of step 4: the fixed policy from step 5
+            planned = 2 <= step <= 4
+            assert fc == (["obs.fc#p0", "obs.fc#p1", "obs.fc#p2"] if planned
+                          else ["obs.fc#p0"]), (step, fc)
+            assert (follower.plan is not None) == planned, step
+            hp.step()
+        assert follower.reverted and follower.verified["kept"] == 0.0, follower.verified
+        assert follower.verified["plan_step_s"] >= 5.0, follower.verified  # rank 1's, maxed
+        assert follower.verified["fixed_step_s"] < 5.0, follower.verified
+        assert follower.verified["steps"] == 2.0
+        same_everywhere(json.dumps(follower.verified, sort_keys=True).encode(), "verified")
+        assert hp.stats()["obs.fc"]["codec"] == "onebit"
+    finally:
+        runtime.plan, runtime._clock = real_plan, real_clock
+
+
+@case
 def plan_gather_keeps_the_engines_partitions():
     """A plan's gather entry (priced as one unit, partitions 1) runs in the engine's own
     partitions, as the fixed policy does: a 2 MiB DGC gradient with 1 MiB partitions keeps
@@ -585,6 +639,7 @@ def _forced_plan(parts, strategy="ps"):
         for g in p.gradients:
             g.compress, g.strategy = True, strategy
             g.partitions = parts if g.name == "obs.fc" else 1
+        p.basis = "search"  # not the fixed policy (sync.plan_verify_steps times it)
         return p
 
     runtime.plan = forced
