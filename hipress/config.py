@@ -362,9 +362,10 @@ class SyncConfig(BaseModel):
             init-time profile alone (a sum of per-gradient costs, no overlap).
         plan_verify_steps: with ``plan: auto``, the training steps the job times under
             its plan (after one step that settles it) before keeping it: when their
-            median, on the slowest rank, is more than the plan's ``min_gain`` (3 %)
-            slower than the observed steps' under the fixed policy, every rank goes back
-            to the fixed policy for good. The cost model ranks options from a profile;
+            median (each step timed on its slowest rank) is more than the plan's
+            ``min_gain`` (3 %) above the observed fixed-policy steps' median, every rank
+            goes back to the fixed policy for good. Rank 0's value applies (it is sent
+            with the plan). The cost model ranks options from a profile;
             this check catches where it misprices the job (on 2 cores shared by 4
             ranks its PowerSGD plans stepped 1.21-1.26x the fixed policy,
             bench/README.md). 0 follows the plan unchecked. Plans that are the fixed

@@ -120,6 +120,8 @@ def test_secopa_plan_auto_drops_a_plan_slower_than_the_fixed_policy():
     said = [ln for ln in proc.stderr.splitlines() if "SeCoPa dropped its plan" in ln]
     assert len(said) == 1, proc.stderr[-3000:]  # rank 0, once
     assert "steps 3-4 under it took" in said[0] and "fixed policy from the next step" in said[0]
+    timing = [ln for ln in proc.stderr.splitlines() if "SeCoPa follows its plan" in ln]
+    assert len(timing) == 1 and "from step 2 and times steps 3-4" in timing[0], timing
     # the residual's keys back in one partition: asserted per step in the case
 
 

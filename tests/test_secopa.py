@@ -1367,9 +1367,14 @@ def test_plan_follower_auto_times_its_plan_and_drops_one_slower_than_the_fixed_p
     assert eng.sent[-1][1:] == ("max", (5,))  # 2 observed steps, 3 timed
     assert f.verified == pytest.approx({"fixed_step_s": 1.05, "plan_step_s": plan_step,
                                         "steps": 3.0, "kept": float(kept)})
-    said = [r.getMessage() for r in caplog.records if "SeCoPa" in r.getMessage()
-            and ("kept" in r.getMessage() or "dropped" in r.getMessage())]
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith(("SeCoPa kept", "SeCoPa dropped"))]
     assert len(said) == 1, said
+    timing = [r.getMessage() for r in caplog.records
+              if r.getMessage().startswith("SeCoPa follows its plan")]
+    assert timing == [f"SeCoPa follows its plan from step 3 and times steps 4-6 against the "
+                      f"observed fixed-policy steps before keeping it (sync.plan_verify_steps)"
+                      f"; {save} is written once it is kept"], timing
     assert f"steps 4-6 under it took {plan_step:.3f} s" in said[0], said[0]
     assert f"{plan_step / 1.05:.2f}x" in said[0], said[0]
     onebit = get_codec("onebit")
@@ -1389,6 +1394,18 @@ def test_plan_follower_auto_times_its_plan_and_drops_one_slower_than_the_fixed_p
                                                     else (False, 1, "auto")), n
     _run_timed_steps(f, eng, monkeypatch, [1.0, 1.0])  # checked once
     assert len(eng.sent) == 3
+
+
+def test_plan_follower_auto_check_with_a_clock_that_did_not_move_keeps_the_plan(
+        monkeypatch, caplog):
+    f = _observing_follower(2)
+    eng = _FakeEngine()
+    _searched_plan(monkeypatch)
+    with caplog.at_level("INFO", logger="hipress.secopa.runtime"):
+        _run_timed_steps(f, eng, monkeypatch, [0.0] * 7)  # a coarse clock: every step 0 s
+    assert f.plan is not None and not f.reverted
+    assert f.verified == {"fixed_step_s": 0.0, "plan_step_s": 0.0, "steps": 3.0, "kept": 1.0}
+    assert any("(1.00x)" in r.getMessage() for r in caplog.records), caplog.text
 
 
 @pytest.mark.parametrize("basis, verify", [("threshold", 3), ("search", 0)])

@@ -32,12 +32,12 @@ submitted: compress it or not, into how many partitions, on which path.
      residuals at its next job;
   4. with ``sync.plan_verify_steps`` V > 0 (default 3) and a plan that is not the fixed
      policy (``Plan.basis`` other than ``threshold``), the job times V steps under the
-     plan after one that settles it. Each step is the time between two
-     :meth:`PlanFollower.step_done` calls, maxed over the ranks by an allreduce, so
-     every rank decides alike: the plan is kept unless the median of its V steps exceeds
-     the median of the W observed fixed-policy steps by more than the plan's
-     ``min_gain``; else every rank follows the fixed policy from the next step on, for
-     good (:attr:`PlanFollower.verified` holds both medians). The model is fitted from
+     plan after one that settles it (V is rank 0's, sent with the plan). Each step is the
+     time between two :meth:`PlanFollower.step_done` calls, maxed over the ranks by an
+     allreduce, so every rank decides alike: the plan is kept unless the median of its
+     V steps exceeds the median of the W observed fixed-policy steps by more than the
+     plan's ``min_gain``; else every rank follows the fixed policy from the next step
+     on, for good (:attr:`PlanFollower.verified` holds both medians). The model is fitted from
      a profile and the job's own steps, but it can still misprice what a plan changes:
      on 2 cores shared by 4 ranks its PowerSGD plans sent most gradients uncompressed
      and stepped 1.21-1.26x the fixed policy (bench/README.md), because the kernel's TCP
@@ -46,8 +46,11 @@ submitted: compress it or not, into how many partitions, on which path.
      when no check runs); a plan that lost is not written.
 
   Steps are counted by :meth:`PlanFollower.step_done` calls since ``init``, alike on
-  every rank. A rank that calls ``join()`` during the observed steps makes the planning
-  fail on the others with a :class:`~hipress.errors.ConfigError` naming it and the fix.
+  every rank. A rank that calls ``join()`` during the observed or the timed steps makes
+  the planning or the check fail on the others with a
+  :class:`~hipress.errors.ConfigError` naming it and the fix (``join()`` once per
+  uneven epoch therefore needs every rank to make the same number of steps until the
+  check is over: ``compression.warmup_steps`` + W + V + 2 of them).
 
   Gradients the plan does not name (another codec, or first submitted later) are
   decided one by one by :func:`~hipress.secopa.planner.decide` from the profile (cached
@@ -380,6 +383,14 @@ class PlanFollower:
                 # this call's step ran under the fixed policy; the next one re-splits
                 # residuals and compiles for new partitions: timed from its end
                 self._verify_from = self._steps + 1
+                if self.rank == 0:
+                    nxt = int(engine.step_count)
+                    logger.info("SeCoPa follows its plan from step %d and times steps %d-%d "
+                                "against the observed fixed-policy steps before keeping it "
+                                "(sync.plan_verify_steps)%s", nxt, nxt + 1,
+                                nxt + self.verify_steps,
+                                f"; {self.cfg.sync.plan_save} is written once it is kept"
+                                if self.cfg.sync.plan_save else "")
             else:
                 self._save_plan()
 
@@ -392,36 +403,41 @@ class PlanFollower:
             got = engine.submit(np.concatenate([fixed, timed]), "__secopa.verify",
                                 op="max").wait()
         except CollectiveArgumentError as exc:
+            last = int(engine.step_count) - 1
             raise ConfigError(
-                f"sync.plan: auto times its plan with every rank over "
-                f"sync.plan_verify_steps={self.verify_steps} steps, but {exc}. Give every "
-                "rank data for those steps too, lower sync.plan_verify_steps, or plan from "
-                "a file") from exc
+                f"sync.plan: auto times its plan with every rank in steps "
+                f"{last - self.verify_steps + 1}-{last} (sync.plan_verify_steps="
+                f"{self.verify_steps}), but a rank has joined: {exc}. Give every rank data "
+                f"for the first {last + 1} steps, set sync.plan_verify_steps: 0 to follow "
+                "the plan unchecked, or plan from a file (sync.plan_save in a run with even "
+                "data, then sync.plan: <that file>)") from exc
         both = np.asarray(got, dtype=np.float64)
         fixed_s = float(statistics.median(both[:fixed.size]))
         plan_s = float(statistics.median(both[fixed.size:]))
         kept = plan_s <= fixed_s * (1.0 + self.plan.min_gain)
+        ratio = plan_s / fixed_s if fixed_s > 0 else float("inf") if plan_s > 0 else 1.0
         self.verified = {"fixed_step_s": fixed_s, "plan_step_s": plan_s,
                          "steps": float(timed.size), "kept": 1.0 if kept else 0.0}
         last = int(engine.step_count) - 1  # this rank's number of the step just ended
         first = last - self.verify_steps + 1
         if kept:
             if self.rank == 0:
-                logger.info("SeCoPa kept its plan: steps %d-%d under it took %.3f s (median, "
-                            "slowest rank), the observed fixed-policy steps %.3f s (%.2fx)",
-                            first, last, plan_s, fixed_s, plan_s / fixed_s)
+                logger.info("SeCoPa kept its plan: steps %d-%d under it took %.3f s (median "
+                            "of each step's slowest rank), the observed fixed-policy steps "
+                            "%.3f s (%.2fx)", first, last, plan_s, fixed_s, ratio)
             self._save_plan()
             return
         self.reverted = True
         self._cache.clear()
         if self.rank == 0:
             logger.warning(
-                "SeCoPa dropped its plan: steps %d-%d under it took %.3f s (median, slowest "
-                "rank) against %.3f s for the observed fixed-policy steps, %.2fx, more than "
+                "SeCoPa dropped its plan: steps %d-%d under it took %.3f s (median of each "
+                "step's slowest rank) against %.3f s for the observed fixed-policy steps, "
+                "%.2fx, more than "
                 "its min_gain of %.0f %% allows; every rank follows the fixed policy from the "
                 "next step on%s. The cost model mispriced this job (its profile or the "
                 "shared cores); sync.plan: none skips the observation next time", first,
-                last, plan_s, fixed_s, plan_s / fixed_s, 100 * self.plan.min_gain,
+                last, plan_s, fixed_s, ratio, 100 * self.plan.min_gain,
                 f" (the plan is not written to {self.cfg.sync.plan_save})"
                 if self.cfg.sync.plan_save else "")
         self.plan = None
@@ -457,7 +473,10 @@ class PlanFollower:
         text = b""
         if self.rank == 0:
             try:
-                text = self._plan_on_rank0(names, steps, vec, events).encode()
+                # rank 0's plan_verify_steps goes with it: a rank with another would wait
+                # at a different step for the check's allreduce
+                text = json.dumps({"plan": json.loads(self._plan_on_rank0(
+                    names, steps, vec, events)), "verify_steps": self.verify_steps}).encode()
             except Exception as exc:  # noqa: BLE001 - every rank must get an answer
                 if not isinstance(exc, SeCoPaError):
                     logger.exception("SeCoPa's planning failed")
@@ -469,7 +488,8 @@ class PlanFollower:
                 logger.warning("SeCoPa could not plan from the observed steps (%s); deciding "
                                "each gradient from the profile instead", got["error"])
             return
-        self.plan = Plan.from_json(json.dumps(got), "sync.plan: auto")
+        self.plan = Plan.from_json(json.dumps(got["plan"]), "sync.plan: auto")
+        self.verify_steps = int(got["verify_steps"])
         self._cache.clear()
 
     def _plan_on_rank0(self, names: List[str], steps: List[int], vec: np.ndarray,

@@ -540,9 +540,10 @@ def plan_auto_regroups_residuals():
 @case
 def plan_auto_drops_a_slower_plan():
     """A run-time plan (obs.fc in 3 PS partitions, the fixed policy's 1) whose timed steps
-    rank 1's clock makes 5 s longer than its observed fixed-policy step: every rank drops
-    the plan after the same step, goes back to the fixed policy (its residual re-split to
-    one partition again) and every result stays bit-identical."""
+    rank 1's clock makes 5 s longer than its observed fixed-policy step: every rank (rank
+    1 configured with another plan_verify_steps) drops the plan after the same step,
+    goes back to the fixed policy (its residual re-split to one partition again) and
+    every result stays bit-identical."""
     hp.shutdown()
     from hipress.api import _engine
     from hipress.memory import ResidualMemory
@@ -559,8 +560,12 @@ def plan_auto_drops_a_slower_plan():
 
     runtime._clock = clock
     try:
+        from hipress.api import env_rank
+
+        # rank 0's plan_verify_steps applies on every rank (it goes with the plan)
         hp.init({"compression": {"algorithm": "onebit"},
-                 "sync": {"plan": "auto", "plan_observe_steps": 1, "plan_verify_steps": 2},
+                 "sync": {"plan": "auto", "plan_observe_steps": 1,
+                          "plan_verify_steps": 2 if env_rank() == 0 else 5},
                  "logging": {"level": "INFO"}})
         eng = _engine()
         follower = eng._plan
