@@ -502,13 +502,25 @@ def plan_auto_observes_then_plans():
             assert f.read().strip() == follower.plan.to_json().strip()
 
 
+def _obs_fc_step(eng, rng, shapes, step):
+    """One step of random gradients of ``shapes`` (compressed by the policy), each result
+    checked bit-identical across ranks; returns obs.fc's residual keys after it."""
+    from hipress.memory import ResidualMemory
+
+    hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n, codec="auto")
+          for n, s in shapes.items()}
+    for name, h in hs.items():
+        same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
+    mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
+    return sorted(k for k in mem.keys() if k.startswith("obs.fc#p") and "@" not in k)
+
+
 @case
 def plan_auto_regroups_residuals():
     """A run-time plan that cuts a gradient into 3 PS partitions where the fixed policy
     had 1: at its next job its residual is re-split (the log counts the elements carried;
     the values are checked in test_engine_local) and the steps run bit-identical."""
     hp.shutdown()
-    from hipress.memory import ResidualMemory
     from hipress.secopa import runtime
 
     real = _forced_plan(3)  # obs.fc in 3 PS partitions, obs.conv as the fixed policy had it
@@ -522,12 +534,7 @@ def plan_auto_regroups_residuals():
         rng = np.random.default_rng(hp.rank())
         shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3)}
         for step in range(4):
-            hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n,
-                                        codec="auto") for n, s in shapes.items()}
-            for name, h in hs.items():
-                same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
-            mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
-            fc = sorted(k for k in mem.keys() if k.startswith("obs.fc#p") and "@" not in k)
+            fc = _obs_fc_step(eng, rng, shapes, step)
             # the fixed policy's one partition (2 MiB < 4 MiB) in steps 0-1, then the plan's
             assert fc == (["obs.fc#p0"] if step < 2 else
                           ["obs.fc#p0", "obs.fc#p1", "obs.fc#p2"]), (step, fc)
@@ -546,7 +553,6 @@ def plan_auto_drops_a_slower_plan():
     every result stays bit-identical."""
     hp.shutdown()
     from hipress.api import _engine
-    from hipress.memory import ResidualMemory
     from hipress.secopa import runtime
 
     real_plan, real_clock = _forced_plan(3), runtime._clock
@@ -572,12 +578,7 @@ def plan_auto_drops_a_slower_plan():
         rng = np.random.default_rng(hp.rank())
         shapes = {"obs.fc": (512, 1024), "obs.conv": (64, 64, 3, 3)}
         for step in range(7):
-            hs = {n: hp.allreduce_async(rng.standard_normal(s).astype(np.float32), n,
-                                        codec="auto") for n, s in shapes.items()}
-            for name, h in hs.items():
-                same_everywhere(hp.synchronize(h).tobytes(), f"{name}.{step}")
-            mem = next(m for m in eng._memories.values() if isinstance(m, ResidualMemory))
-            fc = sorted(k for k in mem.keys() if k.startswith("obs.fc#p") and "@" not in k)
+            fc = _obs_fc_step(eng, rng, shapes, step)
             # step 0 left out, step 1 observed, the plan followed in steps 2-4 (2 settles
             # it, 3-4 timed), dropped at the end of step 4: the fixed policy from step 5
             planned = 2 <= step <= 4
