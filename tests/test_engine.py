@@ -202,6 +202,20 @@ def test_powersgd_stage_error_drops_the_compensated_residual_on_every_rank(np_):
     run_failing_case(np_, "powersgd_stage_error_drops_residual")
 
 
+def test_a_rank_waiting_in_join_and_a_peer_that_shut_down_both_end():
+    """Rank 1 waits in join() while rank 0 shuts down instead: both end within the stall
+    limit (5 s each) and the job exits non-zero (neither rank finalizes MPI). Before, rank
+    0 hung in MPI_Finalize and rank 1 in join() until the launcher's timeout."""
+    t0 = time.monotonic()
+    proc = run_mpi(2, WORKER, ["shutdown_while_a_peer_waits_in_join"], timeout=60)
+    assert time.monotonic() - t0 < 40
+    case = "shutdown_while_a_peer_waits_in_join"
+    passed = {line.split()[1] for line in proc.stdout.splitlines()
+              if line.endswith(f"PASS {case}")}
+    assert passed == {"0", "1"}, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0
+
+
 @pytest.mark.parametrize("np_", [2, 3])
 def test_root_error_at_a_broadcasts_start_fails_every_rank(np_):
     """A task whose first step raises on one rank (inside the negotiation round) is told

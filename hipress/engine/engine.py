@@ -250,6 +250,9 @@ class Engine:
         self._left_early = False
         #: the engine failed on every rank in the same round with nothing in flight
         self._collective_error = False
+        #: this rank gave up waiting for the others' goodbye (_wait_for_byes): its own
+        #: error, not the others' (they may still be running, e.g. waiting in join())
+        self._bye_stalled = False
         self._announced = False
         self._memories: Dict[str, Memory] = {"none": get_memory("none")}
         #: per gradient, the (path, partitions) its residuals are kept for (_fit_state)
@@ -1070,8 +1073,12 @@ class Engine:
                 left = list(self._inflight.values())
                 self._inflight.clear()
                 self._queue.clear()
+                # a rank waiting in join() is told too (it used to wait forever)
+                joining, self._join_handle = self._join_handle, None
             for sub in left:
                 sub.handle._finish(error=exc)
+            if joining is not None:
+                joining._finish(error=exc)
         finally:
             self._write_timeline()
 
@@ -1135,8 +1142,9 @@ class Engine:
                 except HiPressError:
                     # raised on every rank in this same round, from the same table: the
                     # ranks stop together, so MPI can still be shut down cleanly when no
-                    # transfer is left in flight
-                    self._collective_error = not self._sched.busy
+                    # transfer is left in flight. Not so when this rank alone gave up on
+                    # the others' goodbye: MPI_Finalize would wait for them forever
+                    self._collective_error = not self._sched.busy and not self._bye_stalled
                     raise
                 new = sum(len(m["new"]) for m in msgs)
                 if started or new:  # idle rounds are not recorded
@@ -1444,6 +1452,7 @@ class Engine:
         others = sorted(set(range(self.size)) - byes)
         state = self._bye_watch.check(now - self._bye_since)
         if state == "fatal":
+            self._bye_stalled = True
             raise StallError(f"rank(s) {others} did not shut down within "
                              f"sync.stall_shutdown_s={self.cfg.sync.stall_shutdown_s:g} s")
         if state == "warn":

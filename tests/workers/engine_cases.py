@@ -1278,6 +1278,42 @@ def broadcast_root_error_fails_every_rank():
 
 
 @case
+def shutdown_while_a_peer_waits_in_join():
+    """Rank 0 runs one step more and shuts down; rank 1 runs out of data and waits in
+    join(). Neither waits forever: rank 0's shutdown gives up on rank 1's goodbye at the
+    stall limit and leaves MPI unfinalized (MPI_Finalize would wait for rank 1, which it
+    used to, forever), and, rank 0 still alive, rank 1's join raises a StallError once
+    its negotiation round has waited that long (the join's handle used to be left
+    pending when the engine stopped)."""
+    from hipress import comm
+    from hipress.errors import StallError
+
+    hp.shutdown()
+    hp.init({"sync": {"stall_shutdown_s": 5, "stall_warning_s": 2},
+             "logging": {"level": "WARNING"}})
+    r = hp.rank()
+    for _ in range(3 if r == 0 else 2):
+        hp.synchronize(hp.allreduce_async(np.ones(1000, np.float32), "sj.w"))
+        hp.step()
+    t0 = time.monotonic()
+    if r == 0:
+        hp.shutdown()
+        assert 4 < time.monotonic() - t0 < 15, time.monotonic() - t0
+        assert not comm._CLEAN  # not finalized at exit: rank 1 still runs
+        # said now: rank 1's exit (unfinalized) makes the launcher end this process
+        print("rank 0 PASS shutdown_while_a_peer_waits_in_join", flush=True)
+        time.sleep(12)  # still alive (say, evaluating) while rank 1's join gives up
+        return
+    try:
+        hp.join()
+    except StallError as exc:
+        assert "did not complete" in str(exc), repr(exc)
+    else:
+        raise AssertionError("join() returned although rank 0 never joined")
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0
+
+
+@case
 def allreduce_mismatch_fails_every_rank_and_engine_goes_on():
     """Uncompressed allreduce: same element count but another shape, another dtype, and an
     integer average refused on one rank only: every rank's handle fails with a
@@ -1431,6 +1467,7 @@ def main():
     if hp.is_initialized() and not {"stall_names_missing_rank", "failure_on_one_rank_fails_all",
                                     "broadcast_root_error_fails_every_rank",
                                     "peer_payload_wrong_size",
+                                    "shutdown_while_a_peer_waits_in_join",
                                     "shape_mismatch_same_numel"} & set(sys.argv):
         hp.shutdown()
 
